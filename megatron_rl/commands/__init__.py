@@ -1,0 +1,1 @@
+"""Implementations of the `megatron-rl` subcommands, one module each."""

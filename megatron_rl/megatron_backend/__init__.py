@@ -1,0 +1,1 @@
+"""Megatron-Core backend: platform bridge, parallel layout, model families, weights, actor."""

@@ -1,0 +1,291 @@
+"""Hugging Face <-> Megatron weights for tensor/expert/pipeline(-virtual) parallel models.
+
+Loading: each rank reads from the safetensors files only the HF tensors behind the parameters it
+holds, builds the full Megatron tensor with the family's rule and keeps its own shard.
+Export: the one streaming path that weight sync and checkpoint conversion reuse. Every rank walks
+the same global list of parameters; the tensor-parallel peers gather a shard, the lowest rank that
+holds the parameter broadcasts it, and HF-named full tensors are yielded in buckets of a bounded size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError, WeightRule
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+# Transformer Engine spec names -> the local spec names our rules are written in.
+_TE_ALIASES = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+)
+
+
+class WeightMismatchError(ValueError):
+    """A checkpoint tensor does not fit the model built from the config."""
+
+
+def read_hf_config(model_dir: str | Path) -> HFConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+@dataclass
+class LocalParam:
+    """A parameter of this rank's model chunks with its global (unsharded, HF-independent) identity."""
+
+    global_name: str
+    param: nn.Parameter
+    is_expert: bool
+
+
+def _rank_info() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+    )
+
+
+def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
+    """All parameters of this rank, named by global layer and global expert index."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    ep_size = ps.get_expert_model_parallel_world_size()
+    local_experts = num_experts // ep_size
+    out: list[LocalParam] = []
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        layers = model.decoder.layers if hasattr(model, "decoder") else []
+        for name, param in model.named_parameters():
+            name = _canonical(name)
+            layer_match = _LAYER.match(name)
+            if layer_match:
+                global_layer = layers[int(layer_match.group(1))].layer_number - 1
+                name = f"decoder.layers.{global_layer}." + name[layer_match.end() :]
+            expert_match = _EXPERT.search(name)
+            if expert_match:
+                global_expert = ep_rank * local_experts + int(expert_match.group(1))
+                name = name[: expert_match.start()] + f".mlp.experts.local_experts.{global_expert}." + name[
+                    expert_match.end() :
+                ]
+            out.append(LocalParam(name, param, is_expert=expert_match is not None))
+    return out
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _canonical(name: str) -> str:
+    for te_name, local_name in _TE_ALIASES:
+        if name.endswith(te_name):
+            return name[: -len(te_name)] + local_name
+    return name
+
+
+def _rules_by_name(family: ModelFamily, hf: HFConfig) -> dict[str, WeightRule]:
+    rules = {rule.megatron: rule for rule in family.weight_rules(hf)}
+    if family.dims(hf).tie_word_embeddings:
+        # With tied embeddings the last pipeline stage still holds its own copy of the output layer.
+        embedding = rules["embedding.word_embeddings.weight"]
+        rules["output_layer.weight"] = WeightRule("output_layer.weight", embedding.hf)
+    return rules
+
+
+def _shard(full: torch.Tensor, param: nn.Parameter, rule: WeightRule, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of the full Megatron tensor, following Megatron's partitioning of `param`."""
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if rule.glu:  # [gate; up] -> [gate_r; up_r]
+        return torch.cat([half.chunk(size, dim=dim)[rank] for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    pad = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, pad], dim=0)
+
+
+class _SafetensorsIndex:
+    """Lazy, per-tensor access to the safetensors files of an HF model directory."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = model_dir / "model.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+            with safe_open(single, "pt") as f:
+                weight_map = {k: single.name for k in f.keys()}
+        self._dir = model_dir
+        self._map = weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._map:
+            raise WeightMismatchError(f"checkpoint has no tensor {name!r}: is it a checkpoint of this architecture?")
+        file = self._map[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(self._dir / file, "pt")
+        return self._handles[file].get_tensor(name)
+
+    def names(self) -> set[str]:
+        return set(self._map)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: ModelFamily, hf: HFConfig) -> None:
+    """Fill this rank's shards of `chunks` from an HF checkpoint directory (each rank reads only its tensors)."""
+    model_dir = Path(model_dir)
+    dims = family.dims(hf)
+    rules = _rules_by_name(family, hf)
+    index = _SafetensorsIndex(model_dir)
+    expected = {name for rule in family.weight_rules(hf) for name in rule.hf}
+    unexpected = sorted(n for n in index.names() - expected if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise WeightMismatchError(
+            f"checkpoint {model_dir} has {len(unexpected)} tensors this {dims.model_type} config does not use, "
+            f"e.g. {unexpected[:3]}: the checkpoint and config.json describe different architectures"
+        )
+    tp_rank, tp_size, etp_rank, _ = _rank_info()
+    from megatron.core import parallel_state as ps
+
+    etp_size = ps.get_expert_tensor_parallel_world_size()
+    for item in local_params(chunks, dims.num_experts):
+        rule = rules.get(item.global_name)
+        if rule is None:
+            raise WeightMismatchError(f"no HF weight rule for Megatron parameter {item.global_name!r}")
+        full = rule.to_megatron([index.get(n) for n in rule.hf])
+        if rule.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = _pad_rows(full, item.param.shape[0] * (tp_size if item.param.tensor_model_parallel else 1))
+        rank, size = (etp_rank, etp_size) if item.is_expert else (tp_rank, tp_size)
+        shard = _shard(full, item.param, rule, rank, size)
+        if shard.shape != item.param.shape:
+            raise WeightMismatchError(
+                f"{rule.hf} -> {item.global_name}: checkpoint gives shape {tuple(shard.shape)} for this rank but the "
+                f"model built from config.json expects {tuple(item.param.shape)}; the checkpoint does not match "
+                "the config"
+            )
+        item.param.copy_(shard.to(item.param.dtype))
+
+
+def _gather_full(item: LocalParam, rule: WeightRule) -> torch.Tensor:
+    """Reassemble the full Megatron tensor from the tensor-parallel shards (collective over the TP group)."""
+    from megatron.core import parallel_state as ps
+
+    param = item.param.detach()
+    if item.is_expert:
+        group, size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
+    else:
+        group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    if size == 1 or not getattr(item.param, "tensor_model_parallel", False):
+        return param
+    parts = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(parts, param.contiguous(), group=group)
+    dim = item.param.partition_dim
+    if rule.glu:
+        gates = [p.chunk(2, dim=0)[0] for p in parts]
+        ups = [p.chunk(2, dim=0)[1] for p in parts]
+        return torch.cat([torch.cat(gates, dim=dim), torch.cat(ups, dim=dim)], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def export_hf_weights(
+    chunks: list[nn.Module],
+    family: ModelFamily,
+    hf: HFConfig,
+    *,
+    bucket_bytes: int = 512 << 20,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the model's weights as HF-named full tensors, in buckets of at most `bucket_bytes` (or one tensor).
+
+    Collective: every rank of the job must iterate the generator to the end. Every rank receives every
+    tensor (P3's weight sync and P7's converter then decide which rank writes or sends it).
+    """
+    dims = family.dims(hf)
+    rules = _rules_by_name(family, hf)
+    mine = {item.global_name: item for item in local_params(chunks, dims.num_experts)}
+    if dims.tie_word_embeddings:
+        mine.pop("output_layer.weight", None)
+    ordered = [rule.megatron for rule in family.weight_rules(hf)]
+    owners = _owners(ordered, mine)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name in ordered:
+        rule = rules[name]
+        full = _gather_full(mine[name], rule) if name in mine else None
+        if distributed:
+            owner, shape, param_dtype = owners[name]
+            if rank != owner:
+                full = torch.empty(shape, dtype=param_dtype)
+            dist.broadcast(full.contiguous() if rank == owner else full, src=owner)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = full[: dims.vocab_size]
+        for hf_name, tensor in zip(rule.hf, rule.to_hf(full), strict=True):
+            tensor = tensor.to(dtype) if dtype is not None else tensor
+            bucket.append((hf_name, tensor.contiguous()))
+            size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _full_shape(item: LocalParam) -> tuple[int, ...]:
+    from megatron.core import parallel_state as ps
+
+    shape = list(item.param.shape)
+    if getattr(item.param, "tensor_model_parallel", False):
+        size = (
+            ps.get_expert_tensor_parallel_world_size() if item.is_expert else ps.get_tensor_model_parallel_world_size()
+        )
+        shape[item.param.partition_dim] *= size
+    return tuple(shape)
+
+
+def _owners(ordered: list[str], mine: dict[str, LocalParam]) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+    """For each parameter: the lowest global rank holding it, its full shape and dtype (one collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        held: list = [None] * dist.get_world_size()
+        dist.all_gather_object(held, {n: (_full_shape(p), p.param.dtype) for n, p in mine.items()})
+    else:
+        held = [{n: (_full_shape(p), p.param.dtype) for n, p in mine.items()}]
+    owners: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+    for rank, names in enumerate(held):
+        for name, (shape, dtype) in names.items():
+            owners.setdefault(name, (rank, shape, dtype))
+    missing = [n for n in ordered if n not in owners]
+    if missing:
+        raise UnsupportedModelError(f"no rank holds parameters {missing[:3]} expected by the weight rules")
+    return owners

@@ -1,0 +1,123 @@
+"""Build a Megatron-Core GPT/MoE model (one chunk per virtual pipeline stage) from an HF config.
+
+The Transformer Engine layer spec is used when TE imports and the platform is CUDA; the local
+(pure Megatron-Core) spec otherwise. Everything that differs between the two lives here and in
+`platform.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
+
+if TYPE_CHECKING:
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build the model, independent of its architecture."""
+
+    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"help": "parameter and compute dtype"})
+    layer_spec: Literal["auto", "local", "te"] = field(
+        default="auto", metadata={"help": "'te' = Transformer Engine layers (GPU); 'local' = pure Megatron-Core"}
+    )
+    recompute: Literal["none", "full", "selective"] = field(
+        default="none", metadata={"help": "activation recompute granularity"}
+    )
+    routing_replay: bool = field(
+        default=False, metadata={"help": "build routers with Megatron's RouterReplay (needed for R2/R3)"}
+    )
+    dispatcher: Literal["alltoall", "allgather"] = field(
+        default="alltoall", metadata={"help": "MoE token dispatcher"}
+    )
+    aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
+    seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Megatron-LM's convention: pad the vocabulary to a multiple of 128 * TP; padding logits are masked."""
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def use_transformer_engine(options: ModelOptions) -> bool:
+    if options.layer_spec == "local":
+        return False
+    from megatron_rl.megatron_backend import platform
+
+    te_ok = platform.device().type == "cuda" and platform.transformer_engine_available()
+    if options.layer_spec == "te" and not te_ok:
+        from megatron_rl.optional_deps import require
+
+        require("transformer_engine.pytorch")
+        raise RuntimeError("layer_spec='te' needs a CUDA device; use layer_spec='local' on CPU")
+    return te_ok
+
+
+def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptions):
+    """The Megatron `TransformerConfig` for this architecture, layout and options."""
+    from megatron.core.transformer import TransformerConfig
+
+    family = get_family(hf)
+    kwargs = family.transformer_config_kwargs(hf)
+    kwargs.update(layout.to_model_parallel_config_kwargs())
+    bf16 = options.dtype == "bf16"
+    kwargs.update(
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type=options.dispatcher,
+        moe_aux_loss_coeff=options.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if options.aux_loss_coeff > 0 else "none",
+        moe_enable_routing_replay=options.routing_replay,
+        # Router fusion (TE) silently bypasses RouterReplay; we never enable it.
+        moe_router_fusion=False,
+    )
+    if options.recompute != "none":
+        kwargs.update(recompute_granularity=options.recompute)
+        if options.recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf: HFConfig, layout: ParallelLayout, options: ModelOptions) -> tuple[list[nn.Module], object]:
+    """Model chunks for this rank (one per virtual pipeline stage) and their TransformerConfig.
+
+    Requires `megatron.core.parallel_state` to be initialised with the same layout.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    family: ModelFamily = get_family(hf)
+    config = transformer_config(hf, layout, options)
+    te = use_transformer_engine(options)
+    model_parallel_cuda_manual_seed(options.seed)
+    vocab = padded_vocab_size(family.dims(hf).vocab_size, layout.tp)
+    chunks: list[nn.Module] = []
+    vpp = layout.vpp or 1
+    for stage in range(vpp):
+        vp_stage = stage if layout.vpp else None
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            vp_stage=vp_stage,
+            **family.gpt_model_kwargs(hf),
+        )
+        chunks.append(model)
+    return chunks, config

@@ -1,0 +1,20 @@
+"""Model families (one module each); importing this package registers all of them."""
+
+from megatron_rl.megatron_backend.models import qwen3_moe  # noqa: F401  (registers the family)
+from megatron_rl.megatron_backend.models.family import (
+    ModelDims,
+    ModelFamily,
+    UnsupportedModelError,
+    WeightRule,
+    get_family,
+    supported_model_types,
+)
+
+__all__ = [
+    "ModelDims",
+    "ModelFamily",
+    "UnsupportedModelError",
+    "WeightRule",
+    "get_family",
+    "supported_model_types",
+]

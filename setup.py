@@ -1,0 +1,47 @@
+"""Installable package for megatron_rl.
+
+Pins follow the platform the CI runs on (Python 3.11, CPU torch 2.13.0, megatron-core 0.16.1).
+GPU clusters run megatron-core 0.19.x on Python 3.12; the code accepts both (see
+megatron_rl/megatron_backend/platform.py).
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = {}
+exec((ROOT / "megatron_rl" / "__init__.py").read_text(), VERSION)
+
+setup(
+    name="megatron-rl",
+    version=VERSION["__version__"],
+    description="RL post-training (GRPO, DAPO, GSPO, SAPO) of Mixture-of-Experts LLMs on Megatron-Core",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=[
+        "torch>=2.6",
+        # 0.16.1 is the newest release pip accepts on Python 3.11; 0.19.x needs Python 3.12.
+        "megatron-core>=0.16.1,<0.20",
+        "numpy",
+        "packaging>=24.2",
+        "psutil",  # megatron.core.dist_checkpointing uses it without declaring it
+        "transformers>=4.51",
+        "safetensors",
+        "tokenizers",
+        "pyyaml",
+        "tqdm",
+        "wandb",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        # GPU-only; never installable on a CPU-only machine (needs a CUDA build of torch).
+        "gpu": ["transformer-engine[pytorch]>=2.8", "triton>=3.3"],
+        "sglang": ["sglang==0.5.23", "sglang-router"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
