@@ -1,0 +1,441 @@
+"""The Megatron actor: a TP/EP/PP-parallel MoE policy that scores tokens and trains on RL losses.
+
+One object owns the model chunks, Megatron DDP, the Megatron optimizer and the LR schedule.
+`compute_log_probs` and `train_step` run Megatron's own forward-backward schedules (no pipelining,
+1F1B, interleaved) over micro-batches formed by a token budget. Log-probs and entropy are computed
+from vocab-parallel logits without gathering the vocabulary.
+
+Loss contract for `train_step`: `loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`,
+where `loss_sum` is a sum over this micro-batch and `count` (an int tensor: tokens or sequences) is
+its share of the normaliser. Megatron's per-token-loss mode then divides the gradients by the global
+count summed over micro-batches and data-parallel ranks, so the step minimises the exact global mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_rl.megatron_backend import hf_weights, platform
+from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
+from megatron_rl.megatron_backend.model_builder import ModelOptions, build_model
+from megatron_rl.megatron_backend.models.family import HFConfig, get_family
+from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.megatron_backend.routes import MoERouters
+from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Megatron optimizer and LR schedule."""
+
+    lr: float = field(default=1e-5, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=0.0, metadata={"help": "final learning rate of the decay"})
+    lr_schedule: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "LR decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    total_steps: int = field(default=1000, metadata={"help": "optimizer steps over which the LR decays"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Adam beta2"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
+    clip_grad: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0 = off)"})
+    distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state over DP ranks"})
+
+
+@dataclass
+class ScoreResult:
+    """Per-position outputs aligned with `input_ids` (position 0 and padding are 0)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [batch, seq, moe_layers, top_k]; row t = routing of the token at t
+
+
+class MegatronActor:
+    """A Megatron-Core MoE policy on this rank's share of a parallel layout."""
+
+    def __init__(
+        self,
+        hf_config: HFConfig,
+        layout: ParallelLayout,
+        model_options: ModelOptions | None = None,
+        optimizer_options: OptimizerOptions | None = None,
+        *,
+        micro_batch_tokens: int = 4096,
+    ):
+        from megatron.core import parallel_state as ps
+
+        self.hf_config = hf_config
+        self.family = get_family(hf_config)
+        self.dims = self.family.dims(hf_config)
+        self.layout = layout
+        self.model_options = model_options or ModelOptions()
+        self.micro_batch_tokens = micro_batch_tokens
+        self.chunks, self.config = build_model(hf_config, layout, self.model_options)
+        self.routers = MoERouters(self.chunks)
+        self.optimizer = None
+        self.scheduler = None
+        self.step = 0
+        if optimizer_options is not None:
+            self._setup_training(optimizer_options)
+        self._tp_group = ps.get_tensor_model_parallel_group()
+        self._pp_group = ps.get_pipeline_model_parallel_group()
+        self._dp_group = ps.get_data_parallel_group()
+
+    # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_hf(cls, model_dir: str | Path, layout: ParallelLayout, **kwargs: Any) -> MegatronActor:
+        hf = hf_weights.read_hf_config(model_dir)
+        actor = cls(hf, layout, **kwargs)
+        actor.load_hf(model_dir)
+        return actor
+
+    def load_hf(self, model_dir: str | Path) -> None:
+        hf = hf_weights.read_hf_config(model_dir)
+        _check_same_architecture(self.hf_config, hf, model_dir)
+        hf_weights.load_hf_weights(self.modules, model_dir, self.family, self.hf_config)
+        if self.optimizer is not None:
+            self._reload_main_params()
+
+    def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
+        """HF-named full tensors in buckets (collective: every rank must consume the iterator)."""
+        return hf_weights.export_hf_weights(
+            self.modules, self.family, self.hf_config, bucket_bytes=bucket_bytes, dtype=dtype
+        )
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The bare GPT models (unwrapped from DDP / Float16Module)."""
+        return [hf_weights._unwrap(c) for c in self.chunks]
+
+    def state_dict_cpu(self) -> list[dict[str, torch.Tensor]]:
+        """A CPU copy of this rank's parameters (used to keep reference weights on the host)."""
+        return [{k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items() if v is not None}
+                for m in self.modules]
+
+    @torch.no_grad()
+    def load_state_dict_cpu(self, states: list[dict[str, torch.Tensor]]) -> None:
+        for module, state in zip(self.modules, states, strict=True):
+            own = module.state_dict()
+            for name, value in state.items():
+                own[name].copy_(value)
+        if self.optimizer is not None:
+            self._reload_main_params()
+
+    # ------------------------------------------------------------------ training setup
+    def _setup_training(self, opt: OptimizerOptions) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
+
+        bf16 = self.model_options.dtype == "bf16"
+        self.config.calculate_per_token_loss = True
+        self.config.variable_seq_lengths = True
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=opt.distributed_optimizer,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+        )
+        wrapped = []
+        for i, chunk in enumerate(self.chunks):
+            module = Float16Module(self.config, chunk) if bf16 else chunk
+            wrapped.append(
+                DistributedDataParallel(
+                    config=self.config, ddp_config=ddp_config, module=module, disable_bucketing=i > 0
+                )
+            )
+        self.chunks = wrapped
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.min_lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=opt.distributed_optimizer,
+            ),
+            self.chunks,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if opt.warmup_steps else opt.lr,
+            max_lr=opt.lr,
+            min_lr=opt.min_lr,
+            lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=max(opt.total_steps, opt.warmup_steps + 1),
+            lr_decay_style=opt.lr_schedule,
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=max(opt.total_steps, 1),
+            wd_incr_style="constant",
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+
+    def _reload_main_params(self) -> None:
+        """After weights changed outside the optimizer, copy them into its fp32 main parameters."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "reload_model_params"):
+                opt.reload_model_params()
+
+    # ------------------------------------------------------------------ forward/backward
+    def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        groups = split_by_token_budget(batch.lengths.tolist(), self.micro_batch_tokens)
+        return [batch.select(g, pad_to_multiple=multiple) for g in groups]
+
+    def _dp_shard(self, batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
+        from megatron.core import parallel_state as ps
+
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        index = list(range(rank, batch.size, dp))
+        if not index:
+            raise ValueError(f"batch of {batch.size} samples is smaller than the data-parallel size {dp}")
+        return batch.select(index), index
+
+    def _run(
+        self,
+        micro_batches: list[TokenBatch],
+        loss_func: Callable[[TokenBatch, torch.Tensor], tuple],
+        *,
+        forward_only: bool,
+        record_routes: bool = False,
+    ) -> tuple[list, list[list[torch.Tensor]]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        recorded: list[list[torch.Tensor]] = []
+        chunk_of = {id(c): i for i, c in enumerate(self.chunks)}
+
+        def forward_step(data_iterator: Iterator[TokenBatch], model: nn.Module):
+            mb = next(data_iterator)
+            ids = mb.input_ids.to(platform.device())
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = model(ids, pos, attention_mask=None)
+            if record_routes and chunk_of[id(model)] == len(self.chunks) - 1:
+                recorded.append(self.routers.take_recorded())
+            return output, partial(loss_func, mb)
+
+        if record_routes:
+            self.routers.set_action("record")
+        try:
+            iterators = [iter(micro_batches) for _ in self.chunks]
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
+                model=self.chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb.size for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if record_routes:
+                self.routers.set_action(None)
+                self.routers.clear()
+        return outputs, recorded
+
+    def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
+        """log p(ids[t] | ids[:t]) and entropy at positions 1..s-1 from vocab-parallel logits [b, s, V/tp]."""
+        ids = mb.input_ids.to(logits.device)
+        logp, ent = token_logprobs_and_entropy(
+            logits[:, :-1],
+            ids[:, 1:],
+            tp_group=self._tp_group,
+            valid_vocab_size=self.dims.vocab_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        logp = torch.nn.functional.pad(logp, (1, 0))
+        ent = None if ent is None else torch.nn.functional.pad(ent, (1, 0))
+        return logp, ent
+
+    @torch.no_grad()
+    def compute_log_probs(
+        self, batch: TokenBatch, *, with_entropy: bool = False, record_routes: bool = False, temperature: float = 1.0
+    ) -> ScoreResult:
+        """Per-token log-probs (and entropy, routes) for the whole batch, identical on every rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        shard, index = self._dp_shard(batch)
+        micro_batches = self._micro_batches(shard)
+        results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def loss_func(mb: TokenBatch, logits: torch.Tensor):
+            logp, ent = self._token_stats(mb, logits.float(), with_entropy, temperature)
+            results.append((logp.cpu(), None if ent is None else ent.cpu()))
+            return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {}
+
+        _, recorded = self._run(micro_batches, loss_func, forward_only=True, record_routes=record_routes)
+        s = batch.input_ids.shape[1]
+        logp = torch.zeros(shard.size, s)
+        ent = torch.zeros(shard.size, s) if with_entropy else None
+        if _is_last_stage():
+            row = 0
+            for mb, (lp, en) in zip(micro_batches, results, strict=True):
+                n, w = lp.shape
+                w = min(w, s)
+                logp[row : row + n, :w] = lp[:, :w]
+                if ent is not None:
+                    ent[row : row + n, :w] = en[:, :w]
+                row += n
+        logp = _broadcast_from_last_stage(logp, self._pp_group)
+        if ent is not None:
+            ent = _broadcast_from_last_stage(ent, self._pp_group)
+        routes = self._assemble_routes(micro_batches, recorded, s) if record_routes else None
+        mask = shard.response_mask() | _positions_below(shard.lengths, s)
+        logp = torch.where(mask, logp, 0.0)
+        return _gather_dp(ScoreResult(logp, ent, routes), index, batch.size, self._dp_group)
+
+    def _assemble_routes(self, micro_batches: list[TokenBatch], recorded: list[list[torch.Tensor]], s: int):
+        """[shard_batch, s, moe_layers, top_k] from per-micro-batch, per-local-layer [s_local*b, k] records."""
+        from megatron.core import parallel_state as ps
+
+        k = self.dims.top_k
+        dtype = torch.uint8 if self.dims.num_experts <= 256 else torch.int16
+        per_mb = []
+        for mb, layers in zip(micro_batches, recorded, strict=True):
+            b, s_mb = mb.input_ids.shape
+            stacked = torch.stack([t.view(-1, b, k) for t in layers], dim=2) if layers else torch.empty(0)
+            if self.layout.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1 and layers:
+                parts = [torch.empty_like(stacked) for _ in range(ps.get_tensor_model_parallel_world_size())]
+                dist.all_gather(parts, stacked.contiguous(), group=self._tp_group)
+                stacked = torch.cat(parts, dim=0)
+            per_mb.append(stacked.permute(1, 0, 2, 3).to(dtype).cpu() if layers else None)  # [b, s_mb, L_local, k]
+        # Collect the layers of every pipeline stage.
+        local = (self.routers.layers, per_mb)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            gathered: list = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(gathered, local, group=self._pp_group)
+        else:
+            gathered = [local]
+        order = sorted(
+            (layer, stage, j) for stage, (layers, _) in enumerate(gathered) for j, layer in enumerate(layers)
+        )
+        total = sum(mb.size for mb in micro_batches)
+        out = torch.zeros(total, s, len(order), k, dtype=dtype)
+        row = 0
+        for m, mb in enumerate(micro_batches):
+            n, w = mb.size, min(mb.input_ids.shape[1], s)
+            for col, (_, stage, j) in enumerate(order):
+                out[row : row + n, :w, col] = gathered[stage][1][m][:, :w, j]
+            row += n
+        return out
+
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over `batch` (this call's global batch); returns averaged metrics."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        shard, _ = self._dp_shard(batch)
+        micro_batches = self._micro_batches(shard)
+
+        def loss_func(mb: TokenBatch, logits: torch.Tensor):
+            logp, ent = self._token_stats(mb, logits, with_entropy, 1.0)
+            loss_sum, count, metrics = loss_fn(logp, ent, mb)
+            count = count.to(torch.int).reshape(())
+            metrics = {k: float(v) for k, v in metrics.items()}
+            metrics["_count"] = int(count)
+            return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
+
+        outputs, _ = self._run(micro_batches, loss_func, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: gradients were not finite (NaN/inf loss?)")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        return self._reduce_metrics(outputs, grad_norm)
+
+    def _reduce_metrics(self, outputs: list, grad_norm: float | None) -> dict[str, float]:
+        sums = torch.zeros(2, dtype=torch.float64)  # loss_sum, count
+        names: list[str] = []
+        weighted: dict[str, float] = {}
+        for out in outputs if _is_last_stage() else []:
+            m = out["metrics"]
+            sums[0] += float(out["loss_sum"])
+            sums[1] += m["_count"]
+            for key, value in m.items():
+                if key != "_count":
+                    weighted[key] = weighted.get(key, 0.0) + value * m["_count"]
+        names = sorted(weighted)
+        vec = torch.cat([sums, torch.tensor([weighted[n] for n in names], dtype=torch.float64)])
+        vec = _broadcast_from_last_stage(vec, self._pp_group)
+        dist.all_reduce(vec, group=self._dp_group)
+        count = max(float(vec[1]), 1.0)
+        metrics = {"loss": float(vec[0]) / count, "count": float(vec[1])}
+        metrics.update({n: float(v) / count for n, v in zip(names, vec[2:].tolist(), strict=True)})
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+
+def _check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "intermediate_size", "tie_word_embeddings", "norm_topk_prob")
+    for key in keys:
+        if expected.get(key) != got.get(key):
+            raise hf_weights.WeightMismatchError(
+                f"{where}: config.json has {key}={got.get(key)!r} but the model was built with {expected.get(key)!r}"
+            )
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    src = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(tensor, src=src, group=pp_group)
+    return tensor
+
+
+def _positions_below(lengths: torch.Tensor, s: int) -> torch.Tensor:
+    """Non-padding positions t in [1, length) (every token with a preceding context)."""
+    pos = torch.arange(s).unsqueeze(0)
+    return (pos >= 1) & (pos < lengths.unsqueeze(1))
+
+
+def _gather_dp(result: ScoreResult, index: list[int], total: int, dp_group) -> ScoreResult:
+    """Reassemble the full batch from the data-parallel shards (rank r holds rows r, r+dp, ...)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return result
+    parts: list = [None] * dp
+    dist.all_gather_object(parts, (index, result), group=dp_group)
+
+    def merge(attr: str):
+        first = getattr(parts[0][1], attr)
+        if first is None:
+            return None
+        out = torch.zeros((total, *first.shape[1:]), dtype=first.dtype)
+        for idx, res in parts:
+            out[torch.tensor(idx)] = getattr(res, attr)
+        return out
+
+    return ScoreResult(merge("log_probs"), merge("entropy"), merge("routes"))
