@@ -119,8 +119,10 @@ class MegatronActor:
 
     def state_dict_cpu(self) -> list[dict[str, torch.Tensor]]:
         """A CPU copy of this rank's parameters (used to keep reference weights on the host)."""
-        return [{k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items() if v is not None}
-                for m in self.modules]
+        return [
+            {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items() if v is not None}
+            for m in self.modules
+        ]
 
     @torch.no_grad()
     def load_state_dict_cpu(self, states: list[dict[str, torch.Tensor]]) -> None:
@@ -133,14 +135,17 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training setup
     def _setup_training(self, opt: OptimizerOptions) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
         bf16 = self.model_options.dtype == "bf16"
         self.config.calculate_per_token_loss = True
-        self.config.variable_seq_lengths = True
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=opt.distributed_optimizer,
@@ -197,9 +202,17 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ forward/backward
     def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
+        """Micro-batches by token budget; under pipeline parallelism all get one fixed shape.
+
+        Megatron's variable-shape p2p path exchanges shapes with batched send/recv, which mis-pairs
+        messages when the previous and next stage are the same rank (PP=2); fixed shapes avoid it.
+        """
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
         groups = split_by_token_budget(batch.lengths.tolist(), self.micro_batch_tokens)
-        return [batch.select(g, pad_to_multiple=multiple) for g in groups]
+        if self.layout.pp == 1:
+            return [batch.select(g, pad_to_multiple=multiple) for g in groups]
+        seq, rows = int(batch.lengths.max()), max(len(g) for g in groups)
+        return [batch.select(g, pad_to_multiple=multiple, seq_len=seq, rows=rows) for g in groups]
 
     def _dp_shard(self, batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
         from megatron.core import parallel_state as ps
@@ -217,23 +230,34 @@ class MegatronActor:
         *,
         forward_only: bool,
         record_routes: bool = False,
+        replay_routes: bool = False,
     ) -> tuple[list, list[list[torch.Tensor]]]:
+        """Run Megatron's schedule; with `record_routes` also return, per micro-batch, the recorded
+        top-k indices of this rank's MoE layers (in `self.routers.handles` order)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        recorded: list[list[torch.Tensor]] = []
+        recorded: list[list[list[torch.Tensor]]] = [[] for _ in self.chunks]  # [chunk][micro-batch][layer]
         chunk_of = {id(c): i for i, c in enumerate(self.chunks)}
 
         def forward_step(data_iterator: Iterator[TokenBatch], model: nn.Module):
             mb = next(data_iterator)
             ids = mb.input_ids.to(platform.device())
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            if replay_routes:
+                self._set_replay_targets(mb, chunk_of[id(model)])
             output = model(ids, pos, attention_mask=None)
-            if record_routes and chunk_of[id(model)] == len(self.chunks) - 1:
-                recorded.append(self.routers.take_recorded())
+            if record_routes:
+                recorded[chunk_of[id(model)]].append(self.routers.take_recorded(chunk_of[id(model)]))
             return output, partial(loss_func, mb)
 
+        if record_routes and replay_routes:
+            raise ValueError("record_routes and replay_routes are exclusive")
         if record_routes:
             self.routers.set_action("record")
+        if replay_routes:
+            if any(mb.routes is None for mb in micro_batches):
+                raise ValueError("replay_routes needs batch.routes")
+            self.routers.set_action("replay_forward")
         try:
             iterators = [iter(micro_batches) for _ in self.chunks]
             outputs = get_forward_backward_func()(
@@ -246,10 +270,35 @@ class MegatronActor:
                 forward_only=forward_only,
             )
         finally:
-            if record_routes:
+            if record_routes or replay_routes:
                 self.routers.set_action(None)
                 self.routers.clear()
-        return outputs, recorded
+        per_micro_batch = (
+            [[t for chunk in range(len(self.chunks)) for t in recorded[chunk][m]] for m in range(len(micro_batches))]
+            if record_routes
+            else []
+        )
+        return outputs, per_micro_batch
+
+    def _set_replay_targets(self, mb: TokenBatch, chunk: int) -> None:
+        """Hand each router of `chunk` the experts to use for this micro-batch, in Megatron's token order.
+
+        Megatron flattens hidden states `[s, b]` s-major; with sequence parallelism each tensor-parallel
+        rank holds a contiguous slice of the sequence.
+        """
+        from megatron.core import parallel_state as ps
+
+        routes = mb.routes  # [b, s, moe_layers, k]
+        if self.layout.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            routes = routes.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[ps.get_tensor_model_parallel_rank()]
+        moe_layers = self.dims.moe_layers
+        layers_of_chunk = {layer.layer_number - 1 for layer in self.modules[chunk].decoder.layers}
+        for handle in self.routers.handles:
+            if handle.global_layer not in layers_of_chunk:
+                continue
+            column = moe_layers.index(handle.global_layer)
+            target = routes[:, :, column].transpose(0, 1).reshape(-1, routes.shape[-1]).long().to(platform.device())
+            handle.router.router_replay.set_target_indices(target)
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """log p(ids[t] | ids[:t]) and entropy at positions 1..s-1 from vocab-parallel logits [b, s, V/tp]."""
@@ -268,7 +317,13 @@ class MegatronActor:
 
     @torch.no_grad()
     def compute_log_probs(
-        self, batch: TokenBatch, *, with_entropy: bool = False, record_routes: bool = False, temperature: float = 1.0
+        self,
+        batch: TokenBatch,
+        *,
+        with_entropy: bool = False,
+        record_routes: bool = False,
+        replay_routes: bool = False,
+        temperature: float = 1.0,
     ) -> ScoreResult:
         """Per-token log-probs (and entropy, routes) for the whole batch, identical on every rank."""
         for chunk in self.chunks:
@@ -279,16 +334,19 @@ class MegatronActor:
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
             logp, ent = self._token_stats(mb, logits.float(), with_entropy, temperature)
-            results.append((logp.cpu(), None if ent is None else ent.cpu()))
+            real = mb.size - mb.padding_rows
+            results.append((logp[:real].cpu(), None if ent is None else ent[:real].cpu()))
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {}
 
-        _, recorded = self._run(micro_batches, loss_func, forward_only=True, record_routes=record_routes)
+        _, recorded = self._run(
+            micro_batches, loss_func, forward_only=True, record_routes=record_routes, replay_routes=replay_routes
+        )
         s = batch.input_ids.shape[1]
         logp = torch.zeros(shard.size, s)
         ent = torch.zeros(shard.size, s) if with_entropy else None
         if _is_last_stage():
             row = 0
-            for mb, (lp, en) in zip(micro_batches, results, strict=True):
+            for lp, en in results:
                 n, w = lp.shape
                 w = min(w, s)
                 logp[row : row + n, :w] = lp[:, :w]
@@ -299,8 +357,12 @@ class MegatronActor:
         if ent is not None:
             ent = _broadcast_from_last_stage(ent, self._pp_group)
         routes = self._assemble_routes(micro_batches, recorded, s) if record_routes else None
-        mask = shard.response_mask() | _positions_below(shard.lengths, s)
-        logp = torch.where(mask, logp, 0.0)
+        if routes is not None:  # padding positions carry whatever their micro-batch padding routed to
+            pad = ~(torch.arange(s).unsqueeze(0) < shard.lengths.unsqueeze(1))
+            routes[pad] = 0
+        valid = _positions_below(shard.lengths, s)
+        logp = torch.where(valid, logp, 0.0)
+        ent = None if ent is None else torch.where(valid, ent, 0.0)
         return _gather_dp(ScoreResult(logp, ent, routes), index, batch.size, self._dp_group)
 
     def _assemble_routes(self, micro_batches: list[TokenBatch], recorded: list[list[torch.Tensor]], s: int):
@@ -328,13 +390,13 @@ class MegatronActor:
         order = sorted(
             (layer, stage, j) for stage, (layers, _) in enumerate(gathered) for j, layer in enumerate(layers)
         )
-        total = sum(mb.size for mb in micro_batches)
+        total = sum(mb.size - mb.padding_rows for mb in micro_batches)
         out = torch.zeros(total, s, len(order), k, dtype=dtype)
         row = 0
         for m, mb in enumerate(micro_batches):
-            n, w = mb.size, min(mb.input_ids.shape[1], s)
+            n, w = mb.size - mb.padding_rows, min(mb.input_ids.shape[1], s)
             for col, (_, stage, j) in enumerate(order):
-                out[row : row + n, :w, col] = gathered[stage][1][m][:, :w, j]
+                out[row : row + n, :w, col] = gathered[stage][1][m][:n, :w, j]
             row += n
         return out
 
@@ -364,32 +426,49 @@ class MegatronActor:
         return self._reduce_metrics(outputs, grad_norm)
 
     def _reduce_metrics(self, outputs: list, grad_norm: float | None) -> dict[str, float]:
-        sums = torch.zeros(2, dtype=torch.float64)  # loss_sum, count
-        names: list[str] = []
-        weighted: dict[str, float] = {}
+        """Count-weighted means of the loss and the loss_fn's metrics over micro-batches and DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         for out in outputs if _is_last_stage() else []:
             m = out["metrics"]
-            sums[0] += float(out["loss_sum"])
-            sums[1] += m["_count"]
+            sums["loss"] += float(out["loss_sum"])
+            sums["count"] += m["_count"]
             for key, value in m.items():
                 if key != "_count":
-                    weighted[key] = weighted.get(key, 0.0) + value * m["_count"]
-        names = sorted(weighted)
-        vec = torch.cat([sums, torch.tensor([weighted[n] for n in names], dtype=torch.float64)])
-        vec = _broadcast_from_last_stage(vec, self._pp_group)
+                    sums[key] = sums.get(key, 0.0) + value * m["_count"]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            box = [sums]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self._pp_group)
+            sums = box[0]
+        names = sorted(sums)
+        vec = torch.tensor([sums[n] for n in names], dtype=torch.float64)
         dist.all_reduce(vec, group=self._dp_group)
-        count = max(float(vec[1]), 1.0)
-        metrics = {"loss": float(vec[0]) / count, "count": float(vec[1])}
-        metrics.update({n: float(v) / count for n, v in zip(names, vec[2:].tolist(), strict=True)})
+        totals = dict(zip(names, vec.tolist(), strict=True))
+        count = max(totals["count"], 1.0)
+        metrics = {n: v / count for n, v in totals.items() if n != "count"}
+        metrics["count"] = totals["count"]
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
 
 def _check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:
-    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "intermediate_size", "tie_word_embeddings", "norm_topk_prob")
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "intermediate_size",
+        "tie_word_embeddings",
+        "norm_topk_prob",
+    )
     for key in keys:
         if expected.get(key) != got.get(key):
             raise hf_weights.WeightMismatchError(

@@ -22,6 +22,7 @@ class TokenBatch:
     response_start: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     routes: torch.Tensor | None = None
+    padding_rows: int = 0  # trailing dummy rows added to give every micro-batch the same shape
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
@@ -44,30 +45,46 @@ class TokenBatch:
         pos = torch.arange(self.input_ids.shape[1]).unsqueeze(0)
         return (pos >= self.response_start.unsqueeze(1)) & (pos < self.lengths.unsqueeze(1))
 
-    def select(self, index: list[int], *, pad_to_multiple: int = 1) -> TokenBatch:
-        """Rows `index`, trimmed to their longest sequence (rounded up to `pad_to_multiple`)."""
-        idx = torch.tensor(index, dtype=torch.long)
-        lengths = self.lengths[idx]
-        seq = int(lengths.max())
-        seq = -(-seq // pad_to_multiple) * pad_to_multiple
-        seq_total = self.input_ids.shape[1]
-        ids = self.input_ids[idx, : min(seq, seq_total)]
-        if seq > seq_total:
-            ids = torch.nn.functional.pad(ids, (0, seq - seq_total))
+    def select(
+        self, index: list[int], *, pad_to_multiple: int = 1, seq_len: int | None = None, rows: int | None = None
+    ) -> TokenBatch:
+        """Rows `index`, trimmed to their longest sequence (rounded up to `pad_to_multiple`).
 
-        def trim(t: torch.Tensor) -> torch.Tensor:
-            t = t[idx, : min(seq, seq_total)]
-            if seq > seq_total:
-                t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, seq - seq_total))
+        `seq_len` and `rows` force a fixed shape (pipeline stages exchange fixed-shape activations):
+        missing rows are dummies with an empty response (`padding_rows` counts them).
+        """
+        idx = torch.tensor(index, dtype=torch.long)
+        seq = seq_len if seq_len is not None else int(self.lengths[idx].max())
+        seq = -(-seq // pad_to_multiple) * pad_to_multiple
+        extra = 0 if rows is None else rows - len(index)
+        if extra < 0:
+            raise ValueError(f"rows={rows} is smaller than the {len(index)} selected samples")
+
+        def fit(t: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+            t = t[idx, :seq]
+            if t.shape[1] < seq:
+                t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, seq - t.shape[1]), value=fill)
+            if extra:
+                t = torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)], dim=0)
             return t
 
+        ones = torch.ones(extra, dtype=self.lengths.dtype)
         return TokenBatch(
-            input_ids=ids,
-            lengths=lengths,
-            response_start=self.response_start[idx],
-            fields={k: trim(v) for k, v in self.fields.items()},
-            routes=None if self.routes is None else trim(self.routes),
+            input_ids=fit(self.input_ids),
+            lengths=torch.cat([self.lengths[idx], ones]),
+            response_start=torch.cat([self.response_start[idx], ones]),
+            fields={k: fit(v) for k, v in self.fields.items()},
+            routes=None if self.routes is None else _dummy_routes_fill(fit(self.routes), extra),
+            padding_rows=extra,
         )
+
+
+def _dummy_routes_fill(routes: torch.Tensor, extra: int) -> torch.Tensor:
+    """Dummy rows route to experts 0..k-1 (distinct, as top-k requires); they never reach a loss."""
+    if extra:
+        k = routes.shape[-1]
+        routes[-extra:] = torch.arange(k, dtype=routes.dtype)
+    return routes
 
 
 def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:

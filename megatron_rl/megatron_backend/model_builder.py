@@ -33,11 +33,13 @@ class ModelOptions:
         default="none", metadata={"help": "activation recompute granularity"}
     )
     routing_replay: bool = field(
-        default=False, metadata={"help": "build routers with Megatron's RouterReplay (needed for R2/R3)"}
+        default=True,
+        metadata={
+            "help": "build routers with Megatron's RouterReplay: needed to record or replay routes (R2/R3); "
+            "routing is unchanged while no replay action is set"
+        },
     )
-    dispatcher: Literal["alltoall", "allgather"] = field(
-        default="alltoall", metadata={"help": "MoE token dispatcher"}
-    )
+    dispatcher: Literal["alltoall", "allgather"] = field(default="alltoall", metadata={"help": "MoE token dispatcher"})
     aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
     seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
 

@@ -22,6 +22,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
 @dataclass
 class RouterHandle:
     global_layer: int
+    chunk: int
     router: nn.Module
 
 
@@ -32,13 +33,13 @@ class MoERouters:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         handles: list[RouterHandle] = []
-        for chunk in chunks:
+        for chunk_index, chunk in enumerate(chunks):
             for layer in _unwrap(chunk).decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
                     if getattr(router, "router_replay", None) is None:
                         raise ValueError("model was built without moe_enable_routing_replay; cannot record routes")
-                    handles.append(RouterHandle(layer.layer_number - 1, router))
+                    handles.append(RouterHandle(layer.layer_number - 1, chunk_index, router))
         self.handles = sorted(handles, key=lambda h: h.global_layer)
         # Drop our instances from Megatron's process-global registry: we address them directly, and
         # the registry would otherwise keep every model ever built alive.
@@ -59,10 +60,13 @@ class MoERouters:
         for h in self.handles:
             h.router.router_replay.router_replay_action = value
 
-    def take_recorded(self) -> list[torch.Tensor]:
-        """The top-k indices each local router recorded in its last forward, `[tokens_local, top_k]` each."""
+    def take_recorded(self, chunk: int) -> list[torch.Tensor]:
+        """The top-k indices each router of model chunk `chunk` recorded in its last forward,
+        `[tokens_local, top_k]` each, in global layer order."""
         out = []
         for h in self.handles:
+            if h.chunk != chunk:
+                continue
             idx = h.router.router_replay.recorded_topk_idx
             if idx is None:
                 raise RuntimeError(f"router of layer {h.global_layer} recorded nothing in the last forward")

@@ -1,0 +1,162 @@
+"""`megatron-rl logprobs`: score token sequences with a Megatron model (single process or under torchrun).
+
+Input JSONL, one sample per line: `input_ids` (prompt + response) and `response_start` (index of the
+first response token). Output JSONL: the input fields plus
+  - `log_probs`: one fp32 value per response token t, log p(input_ids[t] | input_ids[:t]);
+  - `entropy`: entropy of the same next-token distribution, per response token;
+  - `routed_experts`: SGLang's layout, `[len(input_ids) - 1][moe_layers][top_k]`, the experts each MoE
+    layer chose for the token at each position (the last token is never fed, as in SGLang).
+With `--replay-routes` the input's `routed_experts` are forced instead of the model's own routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-model", help="Hugging Face model directory (config.json + safetensors)")
+    source.add_argument("--checkpoint", help="Megatron distributed checkpoint written by `megatron-rl train`")
+    parser.add_argument("--input", required=True, help="JSONL with input_ids and response_start per line")
+    parser.add_argument("--output", required=True, help="JSONL to write (rank 0 writes it)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
+    parser.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / temperature)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
+    parser.add_argument("--replay-routes", action="store_true", help="force the input's routed_experts")
+
+
+def read_samples(path: Path, vocab_size: int) -> list[dict]:
+    """Parse and check the input file; errors name the line and the problem."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--input {path} does not exist")
+    samples = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        sample = json.loads(line)
+        ids = sample.get("input_ids")
+        start = sample.get("response_start")
+        if not isinstance(ids, list) or not isinstance(start, int):
+            raise ValueError(f"{path}:{number}: each line needs a list 'input_ids' and an int 'response_start'")
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"{path}:{number}: response_start={start} must be in [1, len(input_ids)={len(ids)}]")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{path}:{number}: token ids {bad[:5]} are outside the model's vocabulary of {vocab_size}: "
+                "the input was tokenized for a different model"
+            )
+        samples.append(sample)
+    if not samples:
+        raise ValueError(f"{path} holds no samples")
+    return samples
+
+
+def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top_k: int, num_experts: int):
+    import torch
+
+    from megatron_rl.megatron_backend.batch import TokenBatch
+
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    routes = None
+    if with_routes:
+        # Positions without a route (the last token and padding) get distinct dummy experts; their
+        # outputs never reach a scored log-prob under causal attention.
+        routes = (torch.arange(top_k) % num_experts).expand(len(samples), longest, num_moe_layers, top_k).clone()
+    for i, s in enumerate(samples):
+        ids[i, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        if with_routes:
+            given = torch.tensor(s.get("routed_experts") or [], dtype=torch.long)
+            expected = (len(s["input_ids"]) - 1, num_moe_layers, top_k)
+            if tuple(given.shape) != expected:
+                raise ValueError(
+                    f"sample {i}: routed_experts has shape {tuple(given.shape)}, expected {expected} "
+                    "([len(input_ids) - 1][moe_layers][top_k], SGLang's layout)"
+                )
+            if given.numel() and not (0 <= int(given.min()) and int(given.max()) < num_experts):
+                raise ValueError(f"sample {i}: routed_experts hold ids outside [0, {num_experts})")
+            routes[i, : expected[0]] = given
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    starts = torch.tensor([s["response_start"] for s in samples])
+    return TokenBatch(ids, lengths, starts, routes=routes)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.hf_weights import read_hf_config
+    from megatron_rl.megatron_backend.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.models import get_family
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    if args.checkpoint:
+        print(
+            "error: --checkpoint (Megatron distributed checkpoints) is not available yet; convert to HF and use "
+            "--hf-model",
+            file=sys.stderr,
+        )
+        return 2
+    hf = read_hf_config(args.hf_model)
+    dims = get_family(hf).dims(hf)
+    samples = read_samples(Path(args.input), dims.vocab_size)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    init_distributed(
+        layout,
+        seed=0,
+        num_layers=dims.num_layers,
+        num_experts=dims.num_experts,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+    )
+    try:
+        actor = MegatronActor.from_hf(
+            args.hf_model,
+            layout,
+            model_options=ModelOptions(dtype=args.dtype, routing_replay=True),
+            micro_batch_tokens=args.micro_batch_tokens,
+        )
+        batch = to_batch(
+            samples,
+            with_routes=args.replay_routes,
+            num_moe_layers=len(dims.moe_layers),
+            top_k=dims.top_k,
+            num_experts=dims.num_experts,
+        )
+        result = actor.compute_log_probs(
+            batch,
+            with_entropy=True,
+            record_routes=not args.replay_routes,
+            replay_routes=args.replay_routes,
+            temperature=args.temperature,
+        )
+        if torch.distributed.get_rank() == 0:
+            write_output(Path(args.output), samples, result, replayed=args.replay_routes)
+    finally:
+        shutdown()
+    return 0
+
+
+def write_output(path: Path, samples: list[dict], result, *, replayed: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for i, sample in enumerate(samples):
+            n, start = len(sample["input_ids"]), sample["response_start"]
+            out = dict(sample)
+            out["log_probs"] = result.log_probs[i, start:n].tolist()
+            out["entropy"] = result.entropy[i, start:n].tolist()
+            if not replayed:
+                out["routed_experts"] = result.routes[i, : n - 1].long().tolist()
+            f.write(json.dumps(out) + "\n")
+    tmp.replace(path)

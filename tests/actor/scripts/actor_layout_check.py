@@ -1,0 +1,97 @@
+"""Run under torchrun: score, record routes, export, and train 3 GRPO/PPO steps under one layout.
+
+Writes JSON (rank 0) with log-probs, entropy, routes, the export-vs-checkpoint comparison and the
+per-step metrics, so the test can compare layouts against the single-process run.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    for name in ("tp", "pp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--distributed-optimizer", type=int, default=1)
+    parser.add_argument("--recompute", default="none")
+    args = parser.parse_args()
+
+    from megatron_rl.algorithms import policy_loss
+    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    init_distributed(layout, seed=7)
+    actor = MegatronActor.from_hf(
+        args.model,
+        layout,
+        model_options=ModelOptions(dispatcher="alltoall", recompute=args.recompute),
+        optimizer_options=OptimizerOptions(lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)),
+        micro_batch_tokens=64,
+    )
+    from safetensors.torch import load_file
+
+    reference = load_file(f"{args.model}/model.safetensors")
+    exported = {name: t for bucket in actor.export_hf(bucket_bytes=1 << 16) for name, t in bucket}
+    export_equal = sorted(exported) == sorted(reference) and all(
+        torch.equal(exported[k], reference[k]) for k in reference
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    b, s = 8, 24
+    ids = torch.randint(4, 100, (b, s), generator=gen)
+    lengths = torch.randint(12, s + 1, (b,), generator=gen)
+    starts = torch.randint(3, 8, (b,), generator=gen)
+    for i in range(b):
+        ids[i, lengths[i] :] = 3
+    batch = TokenBatch(ids, lengths, starts)
+    scored = actor.compute_log_probs(batch, with_entropy=True, record_routes=True)
+    advantages = torch.linspace(-1.0, 1.0, b)
+    batch.fields["old_log_probs"] = scored.log_probs
+    batch.fields["advantages"] = advantages.unsqueeze(1).expand(b, s).contiguous()
+
+    def loss_fn(logp, ent, mb):
+        mask = mb.response_mask().to(logp.device).float()
+        loss, metrics = policy_loss(
+            "ppo", logp, mb.fields["old_log_probs"].to(logp.device), mb.fields["advantages"].to(logp.device), mask
+        )
+        count = mask.sum().to(torch.int)
+        return loss * count, count, {"ppo_kl": metrics["ppo_kl"], "clip_frac_high": metrics["clip_frac_high"]}
+
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        metrics = actor.train_step(batch, loss_fn)
+        metrics["seconds"] = time.perf_counter() - start
+        steps.append(metrics)
+    # First update of a step on data scored by the same weights: the ratio must be exactly 1.
+    fresh = actor.compute_log_probs(batch)
+    batch.fields["old_log_probs"] = fresh.log_probs
+    first = actor.train_step(batch, loss_fn)
+
+    if torch.distributed.get_rank() == 0:
+        json.dump(
+            {
+                "log_probs": scored.log_probs.tolist(),
+                "entropy": scored.entropy.tolist(),
+                "routes": scored.routes.long().tolist(),
+                "export_equal": export_equal,
+                "steps": steps,
+                "ppo_kl_first_update": first["ppo_kl"],
+            },
+            open(args.out, "w"),
+        )
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny Qwen3-MoE checkpoints built locally (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
+
+# 4 layers with one dense layer (so PP=2 x VPP=2 has one layer per chunk), untied embeddings.
+MIXED_SPEC = TinyQwen3MoeSpec(num_hidden_layers=4, mlp_only_layers=(1,), vocab_size=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_moe"), MIXED_SPEC, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Further random configs: tied embeddings, norm_topk_prob off, decoder_sparse_step 2, GQA 4:1."""
+    specs = {
+        "tied_no_norm_topk": TinyQwen3MoeSpec(tie_word_embeddings=True, norm_topk_prob=False, num_hidden_layers=2),
+        "sparse_step2": TinyQwen3MoeSpec(decoder_sparse_step=2, num_hidden_layers=4, num_experts=4),
+        "gqa4_top4": TinyQwen3MoeSpec(num_attention_heads=8, num_key_value_heads=2, head_dim=8, num_experts_per_tok=4),
+    }
+    return {
+        name: make_tiny_qwen3_moe(tmp_path_factory.mktemp(name), spec, seed=i + 1)
+        for i, (name, spec) in enumerate(specs.items())
+    }
