@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_rl import __version__
+from megatron_rl.optional_deps import MissingOptionalDependency
 
 # name -> (module exposing `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training of Mixture-of-Experts LLMs on Megatron-Core.",
     )
     parser.add_argument("--version", action="version", version=f"megatron-rl {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of input errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
@@ -39,7 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, FileNotFoundError, MissingOptionalDependency) as err:
+        # Bad input (config, checkpoint, data, layout): the message names the problem and the fix.
+        if args.traceback:
+            raise
+        print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ def main() -> None:
         args.model,
         layout,
         model_options=ModelOptions(dispatcher="alltoall", recompute=args.recompute),
-        optimizer_options=OptimizerOptions(lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)),
+        optimizer_options=OptimizerOptions(
+            lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)
+        ),
         micro_batch_tokens=64,
     )
     from safetensors.torch import load_file
