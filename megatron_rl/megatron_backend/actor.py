@@ -117,22 +117,6 @@ class MegatronActor:
         """The bare GPT models (unwrapped from DDP / Float16Module)."""
         return [hf_weights._unwrap(c) for c in self.chunks]
 
-    def state_dict_cpu(self) -> list[dict[str, torch.Tensor]]:
-        """A CPU copy of this rank's parameters (used to keep reference weights on the host)."""
-        return [
-            {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items() if v is not None}
-            for m in self.modules
-        ]
-
-    @torch.no_grad()
-    def load_state_dict_cpu(self, states: list[dict[str, torch.Tensor]]) -> None:
-        for module, state in zip(self.modules, states, strict=True):
-            own = module.state_dict()
-            for name, value in state.items():
-                own[name].copy_(value)
-        if self.optimizer is not None:
-            self._reload_main_params()
-
     # ------------------------------------------------------------------ training setup
     def _setup_training(self, opt: OptimizerOptions) -> None:
         from megatron.core.distributed import (

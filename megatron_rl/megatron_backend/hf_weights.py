@@ -81,9 +81,11 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
             expert_match = _EXPERT.search(name)
             if expert_match:
                 global_expert = ep_rank * local_experts + int(expert_match.group(1))
-                name = name[: expert_match.start()] + f".mlp.experts.local_experts.{global_expert}." + name[
-                    expert_match.end() :
-                ]
+                name = (
+                    name[: expert_match.start()]
+                    + f".mlp.experts.local_experts.{global_expert}."
+                    + name[expert_match.end() :]
+                )
             out.append(LocalParam(name, param, is_expert=expert_match is not None))
     return out
 

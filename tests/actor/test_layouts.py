@@ -49,6 +49,12 @@ def test_single_process_invariants(single_process: dict) -> None:
     # A positive-advantage-weighted PPO loss must go down while the policy moves.
     assert losses[-1] < losses[0]
     assert single_process["steps"][1]["ppo_kl"] != 0.0
+    # Reference weights swapped in from the host give the initial policy's log-probs bitwise, and the
+    # trained weights come back untouched.
+    assert single_process["policy_moved"]
+    assert single_process["reference_equals_initial"]
+    assert single_process["actor_restored"]
+    assert single_process["reference_host_bytes"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -62,6 +68,7 @@ def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe
     assert got["routes"] == ref["routes"], f"{name}: routed experts differ from the single process"
     assert got["export_equal"], f"{name}: exported weights are not bitwise equal to the checkpoint"
     assert got["ppo_kl_first_update"] == 0.0
+    assert got["reference_equals_initial"] and got["actor_restored"] and got["policy_moved"]
     for step, (a, b) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
         assert abs(a["loss"] - b["loss"]) < 1e-6, f"{name} step {step}: loss {a['loss']} vs {b['loss']}"
         rel = abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]

@@ -130,9 +130,7 @@ def split_qkv_to_hf(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim
     return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
 
 
-def merge_qkv_from_hf(
-    tensors: list[torch.Tensor], num_heads: int, num_groups: int, head_dim: int
-) -> torch.Tensor:
+def merge_qkv_from_hf(tensors: list[torch.Tensor], num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
     """HF q, k, v -> Megatron's grouped layout (each query group followed by its key and value head)."""
     q, k, v = tensors
     heads_per_group = num_heads // num_groups

@@ -55,9 +55,7 @@ def moe_layer_pattern(hf: HFConfig) -> tuple[int, ...]:
     """1 for MoE layers, 0 for dense ones, as `Qwen3MoeDecoderLayer.__init__` decides."""
     mlp_only = set(hf.get("mlp_only_layers") or [])
     step = int(hf.get("decoder_sparse_step", 1))
-    return tuple(
-        int(i not in mlp_only and (i + 1) % step == 0) for i in range(int(hf["num_hidden_layers"]))
-    )
+    return tuple(int(i not in mlp_only and (i + 1) % step == 0) for i in range(int(hf["num_hidden_layers"])))
 
 
 def dims(hf: HFConfig) -> ModelDims:

@@ -28,6 +28,7 @@ def main() -> None:
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.model_builder import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.reference import ReferenceWeights
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
     init_distributed(layout, seed=7)
@@ -57,6 +58,7 @@ def main() -> None:
         ids[i, lengths[i] :] = 3
     batch = TokenBatch(ids, lengths, starts)
     scored = actor.compute_log_probs(batch, with_entropy=True, record_routes=True)
+    reference = ReferenceWeights(actor)
     advantages = torch.linspace(-1.0, 1.0, b)
     batch.fields["old_log_probs"] = scored.log_probs
     batch.fields["advantages"] = advantages.unsqueeze(1).expand(b, s).contiguous()
@@ -79,6 +81,10 @@ def main() -> None:
     fresh = actor.compute_log_probs(batch)
     batch.fields["old_log_probs"] = fresh.log_probs
     first = actor.train_step(batch, loss_fn)
+    trained = actor.compute_log_probs(batch).log_probs
+    with reference.swapped_in() as ref_actor:
+        ref_log_probs = ref_actor.compute_log_probs(batch).log_probs
+    after = actor.compute_log_probs(batch).log_probs
 
     if torch.distributed.get_rank() == 0:
         json.dump(
@@ -89,6 +95,10 @@ def main() -> None:
                 "export_equal": export_equal,
                 "steps": steps,
                 "ppo_kl_first_update": first["ppo_kl"],
+                "reference_equals_initial": torch.equal(ref_log_probs, scored.log_probs),
+                "actor_restored": torch.equal(after, trained),
+                "policy_moved": not torch.equal(trained, scored.log_probs),
+                "reference_host_bytes": reference.host_bytes,
             },
             open(args.out, "w"),
         )

@@ -1,0 +1,90 @@
+"""Start and stop torch.distributed plus Megatron's process groups for one layout.
+
+Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). Without RANK the process runs alone: a world of one on a free
+local port, which is how single-process tests and notebooks use Megatron.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.parallel_layout import ParallelLayout, ResolvedLayout
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(
+    layout: ParallelLayout,
+    *,
+    seed: int,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    is_moe: bool = True,
+    timeout: timedelta | None = None,
+) -> ResolvedLayout:
+    """Bridge the platform, join the process group, validate and build `layout`, seed RNGs.
+
+    Args:
+        layout: the parallel layout to build (see `ParallelLayout.validate` for the model
+            arguments, which are checked when given).
+        seed: base seed; Megatron derives the per-TP-rank and per-expert-rank seeds from it.
+        timeout: collective timeout of the default process group (None: torch's default).
+
+    Returns the layout resolved against the world size. If torch.distributed is already
+    initialised (a second layout in the same job, after `ParallelLayout.destroy()`), only
+    the Megatron groups are built.
+    """
+    platform.prepare_megatron_import()
+    platform.bridge_cpu()
+    if not torch.distributed.is_initialized():
+        extra = {} if timeout is None else {"timeout": timeout}
+        if "RANK" in os.environ:
+            platform.select_local_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(platform.dist_backend(), **extra)
+        else:
+            platform.select_local_device(0)
+            torch.distributed.init_process_group(
+                platform.dist_backend(),
+                init_method=f"tcp://127.0.0.1:{free_port()}",
+                rank=0,
+                world_size=1,
+                **extra,
+            )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron's process groups already exist; call ParallelLayout.destroy() first")
+    resolved = layout.validate(
+        torch.distributed.get_world_size(),
+        num_layers=num_layers,
+        num_experts=num_experts,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        is_moe=is_moe,
+    )
+    layout.initialize()
+    model_parallel_cuda_manual_seed(seed)
+    return resolved
+
+
+def shutdown() -> None:
+    """Destroy Megatron's process groups and the default process group (if any)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,580 @@
+"""The one place where CPU-vs-GPU and Megatron-Core 0.16-vs-0.19 differences live.
+
+Production runs on CUDA with NCCL and needs none of this: `bridge_cpu()` is a no-op there.
+CI runs Megatron-Core on CPU with gloo. Megatron assumes CUDA in a few dozen places;
+`bridge_cpu()` maps each of them onto the CPU, once per process:
+
+* torch.cuda entry points: current_device -> cpu; synchronize, empty_cache, set_device,
+  nvtx ranges -> no-ops; Stream / Event / stream() / current_stream -> no-op stand-ins;
+  get/set_rng_state and manual_seed -> the CPU generator (manual_seed_all -> no-op);
+* Megatron functions: get_default_causal_mask (hard-coded device="cuda"); the
+  model-parallel RNG tracker's _get/_set_cuda_rng_state; the alltoall dispatcher's
+  maybe_move_tensor_to_cpu (split sizes stay tensors on CPU); the local spec's
+  WrappedTorchNorm under sequence parallelism; 0.16.x only: moe_utils.te_general_gemm;
+* `CudaToCpuMode`, a TorchFunctionMode for device="cuda" literals, .cuda(), and the
+  optimizer's `Tensor.type() == "torch.cuda.FloatTensor"` checks.
+
+Every bridge records the Megatron call sites that reach it in a ledger (`cuda_hits()`): the
+regression detector for Megatron upgrades, since a new entry means a new CUDA assumption on
+the path a test exercised. Background, with file and line for each assumption:
+/work/shared/reference/megatron-on-cpu.md, Appendix A.
+
+Nothing else in the package should call `torch.cuda.is_available()`; ask `device()` and
+`dist_backend()` here. Usage, in this order::
+
+    prepare_megatron_import()   # before the first `import megatron.core`
+    info = bridge_cpu()         # before building models; no-op on CUDA
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MCORE: tuple[str, ...] = ("0.16.", "0.19.")
+"""Megatron-Core release lines this module was checked against (version prefixes)."""
+
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """What `bridge_cpu()` decided for this process."""
+
+    device: str
+    """Where models and tensors live: "cuda" or "cpu"."""
+    backend: str
+    """torch.distributed backend: "nccl" on CUDA, "gloo" on CPU."""
+    mcore_version: str
+    """Installed megatron-core version."""
+    bridges: tuple[str, ...] = ()
+    """Names of the CPU bridges applied (empty on CUDA)."""
+
+
+# --------------------------------------------------------------------------------------
+# Version guard and import preparation
+# --------------------------------------------------------------------------------------
+
+
+def installed_megatron_version() -> str:
+    """Return the installed megatron-core version without importing megatron."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise RuntimeError(
+            "megatron-core is not installed; supported versions: " + ", ".join(f"{p}x" for p in SUPPORTED_MCORE)
+        ) from exc
+
+
+def check_megatron_version() -> str:
+    """Return the installed megatron-core version, or raise if it was never checked here.
+
+    The CPU bridges patch private Megatron functions whose names and line numbers move
+    between releases, so an untested release is refused instead of patched blindly.
+    """
+    version = installed_megatron_version()
+    if not version.startswith(SUPPORTED_MCORE):
+        raise RuntimeError(
+            f"megatron-core {version} is installed, but megatron_rl supports only "
+            f"{', '.join(p + 'x' for p in SUPPORTED_MCORE)}. Add the new release to "
+            "megatron_rl/megatron_backend/platform.py only after re-checking its CUDA "
+            "assumptions (see cuda_hits())."
+        )
+    return version
+
+
+def prepare_megatron_import() -> None:
+    """Make `import megatron.core` possible; call before the first megatron import.
+
+    megatron-core 0.19.x imports triton unconditionally (transformer/moe/ops/paged_stash.py,
+    reached from megatron.core.__init__ through the pipeline schedules). Triton is ~1 GB and
+    useless on CPU, so when it is absent a stub of that one module is registered. The stub
+    exposes the module's names; its kernels are None, so the paged-stash feature fails
+    loudly if anything tries to use it. Idempotent.
+    """
+    version = check_megatron_version()
+    if not version.startswith("0.19."):
+        return
+    if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(_PAGED_STASH_OPS)
+    stub.__doc__ = "megatron_rl stub: triton is not installed (CPU); paged stash is unavailable."
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = None
+    stub.paged_stash_pop_kernel = None
+    sys.modules[_PAGED_STASH_OPS] = stub
+
+
+# --------------------------------------------------------------------------------------
+# CUDA-hit ledger
+# --------------------------------------------------------------------------------------
+
+_LEDGER: dict[tuple[str, str], int] = {}
+_LEDGER_LOCK = threading.Lock()
+_THIS_FILE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_megatron_dir_cache: str | None = None
+
+
+def _megatron_dir() -> str:
+    """The `megatron/` package directory, with a trailing separator (found without importing it)."""
+    global _megatron_dir_cache
+    if _megatron_dir_cache is None:
+        spec = importlib.util.find_spec("megatron.core")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        core = os.path.abspath(locations[0]) if locations else ""
+        _megatron_dir_cache = os.path.dirname(core) + os.sep if core else "\0"
+    return _megatron_dir_cache
+
+
+def _call_site() -> str:
+    """The innermost megatron frame on the stack, as 'megatron/...py:LINE func'.
+
+    Falls back to the innermost frame outside torch and this module, marked '(outside)'.
+    """
+    megatron_dir = _megatron_dir()
+    strip = len(os.path.dirname(megatron_dir.rstrip(os.sep))) + 1
+    frame = sys._getframe(2)
+    outside = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(megatron_dir):
+            return f"{filename[strip:]}:{frame.f_lineno} {frame.f_code.co_name}"
+        if outside is None and filename != _THIS_FILE and not filename.startswith(_TORCH_DIR):
+            outside = f"(outside) {filename}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return outside or "(unknown)"
+
+
+def _record(api: str) -> None:
+    key = (api, _call_site())
+    with _LEDGER_LOCK:
+        _LEDGER[key] = _LEDGER.get(key, 0) + 1
+
+
+def cuda_hits() -> dict[str, dict[str, int]]:
+    """CUDA assumptions that fired since the bridges were applied.
+
+    Returns ``{api: {call_site: hit_count}}`` in first-hit order, where ``call_site`` is
+    the innermost megatron frame ('megatron/core/...py:LINE function').
+    """
+    out: dict[str, dict[str, int]] = {}
+    with _LEDGER_LOCK:
+        for (api, site), count in _LEDGER.items():
+            out.setdefault(api, {})[site] = count
+    return out
+
+
+def format_cuda_hits() -> str:
+    """The ledger as lines 'CUDA-HIT <api> x<count> <call site>'."""
+    with _LEDGER_LOCK:
+        items = list(_LEDGER.items())
+    return "\n".join(f"CUDA-HIT {api} x{count} {site}" for (api, site), count in items)
+
+
+# --------------------------------------------------------------------------------------
+# torch.cuda stand-ins
+# --------------------------------------------------------------------------------------
+
+
+class _FakeEvent:
+    """CPU stand-in for torch.cuda.Event: CPU work is synchronous, so events are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+class _FakeStream:
+    """CPU stand-in for torch.cuda.Stream; usable as a context manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _FakeEvent:
+        return event if event is not None else _FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _FakeStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_FAKE_STREAM = _FakeStream()
+
+
+def _counted(api: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _record(api)
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", api.rsplit(".", 1)[-1])
+    wrapper.__doc__ = f"megatron_rl CPU bridge for {api}."
+    return wrapper
+
+
+def _counted_class(api: str, cls: type) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(api)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _cuda_replacements() -> dict[str, Any]:
+    """torch.cuda attribute -> CPU stand-in (Appendix A of the reference)."""
+    cpu = torch.device("cpu")
+    return {
+        "current_device": lambda: cpu,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "set_device": lambda device: None,
+        "device_count": lambda: 0,
+        "current_stream": lambda device=None: _FAKE_STREAM,
+        "default_stream": lambda device=None: _FAKE_STREAM,
+        "Stream": _FakeStream,
+        "Event": _FakeEvent,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "get_device_capability": lambda device=None: (0, 0),
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        "manual_seed": _cpu_manual_seed,
+        # torch.manual_seed itself calls torch.cuda.manual_seed_all: mapping it to
+        # torch.manual_seed would recurse, and the CPU generator is already seeded.
+        "manual_seed_all": lambda seed: None,
+    }
+
+
+def _bridge_torch_cuda() -> list[str]:
+    names = []
+    for attr, stand_in in _cuda_replacements().items():
+        api = f"torch.cuda.{attr}"
+        if isinstance(stand_in, type):
+            setattr(torch.cuda, attr, _counted_class(api, stand_in))
+        else:
+            setattr(torch.cuda, attr, _counted(api, stand_in))
+        names.append(api)
+    for attr in ("range_push", "range_pop"):
+        api = f"torch.cuda.nvtx.{attr}"
+        setattr(torch.cuda.nvtx, attr, _counted(api, lambda *args, **kwargs: None))
+        names.append(api)
+    return names
+
+
+# --------------------------------------------------------------------------------------
+# CudaToCpuMode: device="cuda" literals, .cuda(), and Tensor.type() checks
+# --------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strip_cuda_type(value: Any) -> Any:
+    """'torch.cuda.FloatTensor' (or the class) -> 'torch.FloatTensor'."""
+    if isinstance(value, type) and value.__module__.startswith("torch.cuda"):
+        return f"torch.{value.__name__}"
+    if isinstance(value, str) and value.startswith("torch.cuda."):
+        return "torch." + value[len("torch.cuda.") :]
+    return value
+
+
+_TENSOR_TYPE = torch.Tensor.type
+_TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_TO = torch.Tensor.to
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites Megatron's hard-coded CUDA placement to the CPU.
+
+    * any ``device=`` keyword that names CUDA (a "cuda..." string, a CUDA torch.device, or
+      an integer index) becomes "cpu";
+    * ``Tensor.cuda()`` returns the tensor; ``Tensor.to(<cuda device>)`` goes to the CPU;
+    * ``Tensor.type()`` reports "torch.cuda.*" for CPU tensors, because Megatron's optimizer
+      asserts ``param.grad.type() == "torch.cuda.FloatTensor"``; ``Tensor.type("torch.cuda.X")``
+      converts to "torch.X".
+
+    Entered once for the whole process by `bridge_cpu()`; torch function modes are
+    per-thread, and the autograd engine runs CPU backward in the calling thread.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            _record(f"device={device!r}")
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is _TENSOR_TYPE:
+            if len(args) == 1 and kwargs.get("dtype") is None:
+                name = func(*args, **kwargs)
+                if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                    _record("Tensor.type()")
+                    return "torch.cuda." + name[len("torch.") :]
+                return name
+            args = (args[0],) + tuple(_strip_cuda_type(a) for a in args[1:])
+            if "dtype" in kwargs:
+                kwargs = {**kwargs, "dtype": _strip_cuda_type(kwargs["dtype"])}
+        elif func is _TENSOR_CUDA:
+            _record("Tensor.cuda()")
+            return args[0]
+        elif func is _TENSOR_TO and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+            if not isinstance(args[1], torch.dtype) and _is_cuda_device(args[1]):
+                _record("Tensor.to(cuda)")
+                args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Megatron function patches
+# --------------------------------------------------------------------------------------
+
+
+def _replace_everywhere(module_name: str, attr: str, new: Any) -> None:
+    """Set module.attr = new, and rebind every megatron module that imported the original."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    setattr(module, attr, new)
+    for name, other in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(other, attr, None) is original:
+            setattr(other, attr, new)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    _record("get_default_causal_mask")
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _patch_causal_mask() -> str:
+    # The original builds the mask with device="cuda" (transformer/utils.py).
+    _replace_everywhere("megatron.core.transformer.utils", "get_default_causal_mask", _cpu_causal_mask)
+    return "megatron.transformer.utils.get_default_causal_mask"
+
+
+def _patch_te_general_gemm() -> str | None:
+    # 0.16.x: RouterGatingLinearFunction reads the module global `te_general_gemm`, which
+    # only exists when Transformer Engine imports (NameError otherwise).
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return None
+    moe_utils.te_general_gemm = None
+    return "megatron.moe_utils.te_general_gemm=None"
+
+
+def _patch_norm_sequence_parallel() -> str:
+    # The local spec's WrappedTorchNorm asserts `not config.sequence_parallel`, but MoE with
+    # TP > 1 requires sequence parallelism (moe_layer.py raises otherwise). Build the norm
+    # from a copy of the config without the flag, then tag its parameters so that
+    # finalize_model_grads all-reduces their gradients over the TP group, as it does for
+    # every other sequence-parallel norm.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__new__
+
+    def __new__(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(cls, config, *args, **kwargs)
+        _record("WrappedTorchNorm(sequence_parallel=True)")
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    return "megatron.WrappedTorchNorm.sequence_parallel"
+
+
+def _patch_split_sizes_to_numpy() -> str:
+    # The alltoall dispatcher converts split sizes to numpy only `if tensor.is_cuda`; on
+    # CPU they stay tensors and all_to_all_single(output_split_sizes=<Tensor>) TypeErrors.
+    from megatron.core.transformer.moe import moe_utils
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            _record("maybe_move_tensor_to_cpu(as_numpy)")
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _replace_everywhere("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    return "megatron.moe_utils.maybe_move_tensor_to_cpu"
+
+
+def _patch_rng_state() -> str:
+    # The model-parallel RNG tracker (model_parallel_cuda_manual_seed, fork) saves and
+    # restores the CUDA generator; on CPU the CPU generator plays that role.
+    # Extra arguments (device, clone, graph_safe, ...) only matter for CUDA generators.
+    def _get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        _record("_get_cuda_rng_state")
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        _record("_set_cuda_rng_state")
+        torch.set_rng_state(new_state)
+
+    module = "megatron.core.tensor_parallel.random"
+    _replace_everywhere(module, "_get_cuda_rng_state", _get_cuda_rng_state)
+    _replace_everywhere(module, "_set_cuda_rng_state", _set_cuda_rng_state)
+    return "megatron.tensor_parallel.random._get/_set_cuda_rng_state"
+
+
+# --------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------
+
+_INFO: PlatformInfo | None = None
+_MODE: CudaToCpuMode | None = None
+_BRIDGE_LOCK = threading.Lock()
+_TE_AVAILABLE: bool | None = None
+
+
+def bridge_cpu(enable: bool | None = None) -> PlatformInfo:
+    """Make Megatron-Core run on this process's platform; idempotent.
+
+    Args:
+        enable: None (default) bridges exactly when CUDA is unavailable. False never
+            bridges. True bridges even where CUDA exists (CPU runs on a GPU machine).
+
+    On CUDA (or with enable=False) nothing is patched. On CPU this applies the bridges
+    listed in the module docstring and enters `CudaToCpuMode` for the process. The first
+    call decides for the process: bridges cannot be removed once applied, and a later call
+    whose explicit `enable` contradicts the first decision raises RuntimeError.
+    """
+    global _INFO, _MODE
+    with _BRIDGE_LOCK:
+        if _INFO is not None:
+            if enable is False and _INFO.bridges:
+                raise RuntimeError("the CPU bridges are already applied in this process")
+            if enable is True and not _INFO.bridges:
+                raise RuntimeError("this process already decided to run without the CPU bridges")
+            return _INFO
+        prepare_megatron_import()
+        version = check_megatron_version()
+        if enable is None:
+            enable = not torch.cuda.is_available()
+        if not enable:
+            on_cuda = torch.cuda.is_available()
+            _INFO = PlatformInfo(
+                device="cuda" if on_cuda else "cpu",
+                backend="nccl" if on_cuda else "gloo",
+                mcore_version=version,
+            )
+            return _INFO
+
+        import megatron.core  # noqa: F401  (the patches below rebind names it imported)
+
+        bridges = _bridge_torch_cuda()
+        bridges.append(_patch_causal_mask())
+        te_gemm = _patch_te_general_gemm()
+        if te_gemm is not None:
+            bridges.append(te_gemm)
+        bridges.append(_patch_norm_sequence_parallel())
+        bridges.append(_patch_split_sizes_to_numpy())
+        bridges.append(_patch_rng_state())
+        _MODE = CudaToCpuMode()
+        _MODE.__enter__()
+        bridges.append("CudaToCpuMode")
+        _INFO = PlatformInfo(device="cpu", backend="gloo", mcore_version=version, bridges=tuple(bridges))
+        return _INFO
+
+
+def platform_info() -> PlatformInfo | None:
+    """What `bridge_cpu()` decided, or None before it ran."""
+    return _INFO
+
+
+def _on_cpu() -> bool:
+    if _INFO is not None:
+        return _INFO.device == "cpu"
+    return not torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device models and batches live on: the current CUDA device, or the CPU."""
+    if _on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def dist_backend() -> str:
+    """torch.distributed backend for this platform: "nccl" on CUDA, "gloo" on CPU."""
+    return "gloo" if _on_cpu() else "nccl"
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine's PyTorch extension imports (never on a CPU-only torch)."""
+    global _TE_AVAILABLE
+    if _TE_AVAILABLE is None:
+        if importlib.util.find_spec("transformer_engine") is None:
+            _TE_AVAILABLE = False
+        else:
+            try:
+                importlib.import_module("transformer_engine.pytorch")
+                _TE_AVAILABLE = True
+            except Exception:  # noqa: BLE001 - a broken TE build is "not available", whatever it raises
+                _TE_AVAILABLE = False
+    return _TE_AVAILABLE
+
+
+def select_local_device(local_rank: int) -> torch.device:
+    """Bind this process to its local accelerator (torchrun LOCAL_RANK); CPU: no-op."""
+    if not _on_cpu():
+        torch.cuda.set_device(local_rank)
+    return device()

@@ -1,0 +1,69 @@
+"""The reference policy: the actor's architecture and parallel layout with frozen initial weights.
+
+Default (`ReferenceWeights`): this rank's shard of the reference weights lives in host memory
+(pinned on GPU machines) and is swapped into the actor's own model for the reference pass, then the
+actor's weights are swapped back — no second model on the device, cost = one copy of the rank's
+parameters on the host plus two device<->host copies per reference pass. The alternative is a
+second `MegatronActor` built without an optimizer (`separate_reference_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.actor import MegatronActor
+
+
+class ReferenceWeights:
+    """Host-resident copy of this rank's model shard, swapped into an actor on demand."""
+
+    def __init__(self, actor: MegatronActor):
+        self._actor = actor
+        pin = platform.device().type == "cuda"
+        self._host = [{name: _host_copy(p, pin) for name, p in module.named_parameters()} for module in actor.modules]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held by the reference shard on this rank."""
+        return sum(t.numel() * t.element_size() for state in self._host for t in state.values())
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[MegatronActor]:
+        """Within the block the actor computes with the reference weights; its own come back afterwards.
+
+        The actor's weights are parked on the host meanwhile, so the device never holds both.
+        """
+        modules = self._actor.modules
+        parked = [{name: _host_copy(p, False) for name, p in m.named_parameters()} for m in modules]
+        try:
+            _copy_into(modules, self._host)
+            yield self._actor
+        finally:
+            _copy_into(modules, parked)
+
+
+def separate_reference_model(actor: MegatronActor, model_dir: str | Path) -> MegatronActor:
+    """A second model (same layout, no optimizer) holding the reference weights on the device."""
+    return MegatronActor.from_hf(
+        model_dir, actor.layout, model_options=actor.model_options, micro_batch_tokens=actor.micro_batch_tokens
+    )
+
+
+def _host_copy(param: torch.Tensor, pin: bool) -> torch.Tensor:
+    copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
+    copy.copy_(param.detach(), non_blocking=False)
+    return copy
+
+
+@torch.no_grad()
+def _copy_into(modules: list[torch.nn.Module], states: list[dict[str, torch.Tensor]]) -> None:
+    for module, state in zip(modules, states, strict=True):
+        for name, param in module.named_parameters():
+            param.copy_(state[name], non_blocking=True)
+    if platform.device().type == "cuda":
+        torch.cuda.synchronize()

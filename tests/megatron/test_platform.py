@@ -1,0 +1,133 @@
+"""Tests for `megatron_rl.megatron_backend.platform`: version guard, CPU bridges, and a tiny MoE
+GPT trained in one process through Megatron's DDP, optimizer and schedule."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def test_version_guard_rejects_untested_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.17.0")
+    with pytest.raises(RuntimeError) as err:
+        platform.check_megatron_version()
+    message = str(err.value)
+    assert "0.17.0" in message and "0.16.x" in message and "0.19.x" in message
+    with pytest.raises(RuntimeError, match="0.17.0"):
+        platform.prepare_megatron_import()
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_version_guard_accepts_supported_releases(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(platform, "installed_megatron_version", lambda: version)
+    assert platform.check_megatron_version() == version
+
+
+def test_paged_stash_stub_for_019_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    if PAGED_STASH in sys.modules:
+        pytest.skip("the real paged_stash ops module is already imported")
+    real_find_spec = platform.importlib.util.find_spec
+    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.19.2")
+    monkeypatch.setattr(
+        platform.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
+    try:
+        platform.prepare_megatron_import()
+        stub = sys.modules[PAGED_STASH]
+        assert stub.GLOBAL_BLOCK_SIZE == 1024
+        assert stub.paged_stash_copy_kernel is None and stub.paged_stash_pop_kernel is None
+        platform.prepare_megatron_import()
+        assert sys.modules[PAGED_STASH] is stub  # idempotent
+    finally:
+        sys.modules.pop(PAGED_STASH, None)
+
+
+def test_no_stub_for_016(monkeypatch: pytest.MonkeyPatch) -> None:
+    if PAGED_STASH in sys.modules:
+        pytest.skip("the real paged_stash ops module is already imported")
+    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.16.1")
+    platform.prepare_megatron_import()
+    assert PAGED_STASH not in sys.modules
+
+
+def test_bridge_is_idempotent() -> None:
+    first = platform.bridge_cpu()
+    current_device = torch.cuda.current_device
+    second = platform.bridge_cpu()
+    assert second is first
+    assert torch.cuda.current_device is current_device  # not wrapped twice
+    assert first.device == "cpu" and first.backend == "gloo"
+    assert first.mcore_version == platform.installed_megatron_version()
+    assert "CudaToCpuMode" in first.bridges and "torch.cuda.current_device" in first.bridges
+    modes = torch.overrides._get_current_function_mode_stack()
+    assert sum(isinstance(m, platform.CudaToCpuMode) for m in modes) == 1
+    assert platform.device() == torch.device("cpu") and platform.dist_backend() == "gloo"
+    with pytest.raises(RuntimeError, match="already applied"):
+        platform.bridge_cpu(enable=False)
+
+
+def test_cuda_placement_is_rewritten_and_recorded() -> None:
+    platform.bridge_cpu()
+    x = torch.zeros(3, device="cuda")
+    assert x.device.type == "cpu"
+    assert x.cuda() is x
+    assert x.to(torch.device("cuda", 0)).device.type == "cpu"
+    assert x.type() == "torch.cuda.FloatTensor"
+    assert x.type("torch.cuda.DoubleTensor").dtype == torch.float64
+    assert torch.cuda.current_device() == torch.device("cpu")
+    hits = platform.cuda_hits()
+    for api in ("device='cuda'", "Tensor.cuda()", "Tensor.to(cuda)", "Tensor.type()"):
+        assert any(__file__ in site for site in hits[api]), (api, hits.get(api))
+    assert "CUDA-HIT Tensor.cuda() x" in platform.format_cuda_hits()
+
+
+def test_cuda_rng_maps_to_cpu_generator() -> None:
+    platform.bridge_cpu()
+    torch.cuda.manual_seed(7)
+    a = torch.rand(4)
+    torch.cuda.set_rng_state(torch.cuda.get_rng_state())
+    torch.manual_seed(7)  # calls torch.cuda.manual_seed_all: must not recurse
+    assert torch.equal(a, torch.rand(4))
+
+
+def test_tiny_moe_trains_with_megatron_ddp_optimizer_and_schedule(megatron_world) -> None:
+    import dist_harness
+
+    model = dist_harness.TinyMoE(num_layers=2)
+    trainer = dist_harness.make_trainer(model, ParallelLayout(), seed=1234)
+    result = dist_harness.train(trainer, model.token_batches(3, seed=7))
+    losses = result["loss"]
+    assert all(math.isfinite(v) for v in losses + result["grad_norm"])
+    assert losses[0] > losses[1] > losses[2], losses
+    assert 4.0 < losses[0] < 5.5  # ~ln(128) = 4.85 at init
+    hits = platform.cuda_hits()
+    # The bridges really were on the path (a sample of what 0.16.1 and 0.19.x both hit).
+    assert any(s.startswith("megatron/core/transformer/moe/router.py") for s in hits["torch.cuda.current_device"])
+    assert any(s.startswith("megatron/core/pipeline_parallel/schedules.py") for s in hits["device='cuda'"])
+    assert any(s.startswith("megatron/core/optimizer/clip_grads.py") for s in hits["Tensor.type()"])
+
+
+def test_vocab_parallel_logprobs_equal_log_softmax(megatron_world) -> None:
+    import dist_harness
+    from megatron.core import tensor_parallel
+
+    model = dist_harness.TinyMoE(num_layers=2)
+    chunks, _ = model.build(ParallelLayout())
+    dist_harness.init_layout_independent_(chunks, seed=1234)
+    tokens = model.token_batches(1, seed=3)[0]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(model.seq_length).unsqueeze(0).expand_as(inputs)
+    with torch.no_grad():
+        logits = chunks[0](inputs, positions, attention_mask=None)
+        logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
+        reference = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert logprobs.shape == labels.shape
+    assert (logprobs - reference).abs().max().item() <= 1e-6
