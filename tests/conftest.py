@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
+from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
 
 # 4 layers with one dense layer (so PP=2 x VPP=2 has one layer per chunk), untied embeddings.
 MIXED_SPEC = TinyQwen3MoeSpec(num_hidden_layers=4, mlp_only_layers=(1,), vocab_size=128)
@@ -28,4 +28,16 @@ def tiny_moe_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     return {
         name: make_tiny_qwen3_moe(tmp_path_factory.mktemp(name), spec, seed=i + 1)
         for i, (name, spec) in enumerate(specs.items())
+    }
+
+
+@pytest.fixture(scope="session")
+def other_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny checkpoints of the other supported families."""
+    return {
+        "qwen2_moe": make_tiny_qwen2_moe(tmp_path_factory.mktemp("qwen2_moe"), seed=5),
+        "qwen2_moe_tied": make_tiny_qwen2_moe(
+            tmp_path_factory.mktemp("qwen2_moe_tied"), seed=6, tie_word_embeddings=True
+        ),
+        "mixtral": make_tiny_mixtral(tmp_path_factory.mktemp("mixtral"), seed=7),
     }

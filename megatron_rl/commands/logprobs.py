@@ -5,7 +5,8 @@ first response token). Output JSONL: the input fields plus
   - `log_probs`: one fp32 value per response token t, log p(input_ids[t] | input_ids[:t]);
   - `entropy`: entropy of the same next-token distribution, per response token;
   - `routed_experts`: SGLang's layout, `[len(input_ids) - 1][moe_layers][top_k]`, the experts each MoE
-    layer chose for the token at each position (the last token is never fed, as in SGLang).
+    layer chose for the token at each position (the last token is never fed, as in SGLang); the order
+    of the k experts inside a row carries no meaning.
 With `--replay-routes` the input's `routed_experts` are forced instead of the model's own routing.
 """
 
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
     parser.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / temperature)")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     hf = read_hf_config(args.hf_model)
     dims = get_family(hf).dims(hf)
     samples = read_samples(Path(args.input), dims.vocab_size)
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     init_distributed(
         layout,
         seed=0,

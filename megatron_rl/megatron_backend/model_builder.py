@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 def use_transformer_engine(options: ModelOptions) -> bool:
     if options.layer_spec == "local":
         return False
-    from megatron_rl.megatron_backend import platform
 
     te_ok = platform.device().type == "cuda" and platform.transformer_engine_available()
     if options.layer_spec == "te" and not te_ok:
@@ -76,7 +76,8 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=True,
+        # On CPU every weight is made on the host anyway; on GPU initialise directly on the device.
+        use_cpu_initialization=platform.device().type == "cpu",
         moe_token_dispatcher_type=options.dispatcher,
         moe_aux_loss_coeff=options.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if options.aux_loss_coeff > 0 else "none",
@@ -121,5 +122,5 @@ def build_model(hf: HFConfig, layout: ParallelLayout, options: ModelOptions) -> 
             vp_stage=vp_stage,
             **family.gpt_model_kwargs(hf),
         )
-        chunks.append(model)
+        chunks.append(model.to(platform.device()))
     return chunks, config

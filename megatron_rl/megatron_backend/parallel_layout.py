@@ -126,7 +126,8 @@ class ParallelLayout:
                 f"expert parallelism does not fold into the layout: ep*etp = {self.ep}*"
                 f"{self.expert_tp} = {experts} must divide dp*cp*tp = {dp}*{self.cp}*{self.tp}"
                 f" = {stage_ranks}, the ranks of one pipeline stage that Megatron regroups "
-                f"into expert-tensor x expert x expert-data groups (world size {world_size})"
+                f"into expert-tensor x expert x expert-data groups (world size {world_size}); "
+                "lower ep or set etp (tensor parallelism inside experts, default = tp), e.g. etp=1"
             )
         return ResolvedLayout(
             world_size=world_size,

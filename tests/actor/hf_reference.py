@@ -23,7 +23,7 @@ def hf_score(model_dir: Path, samples: list[dict]) -> list[dict]:
             caught.append(torch.topk(torch.softmax(output.float(), -1), top_k, dim=-1).indices)
 
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name.endswith(("mlp.gate", "block_sparse_moe.gate")):
             module.register_forward_hook(hook)
     out = []
     for sample in samples:

@@ -22,6 +22,9 @@ from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entro
 
 def _init_megatron_tp2() -> dist.ProcessGroup:
     """Initialise megatron's parallel state with TP=2 on CPU and return its tensor-parallel group."""
+    from megatron_rl.megatron_backend import platform
+
+    platform.prepare_megatron_import()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

@@ -1,0 +1,95 @@
+"""Qwen2-MoE (HF `model_type: qwen2_moe`, e.g. Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B).
+
+Like Qwen3-MoE but with QKV biases, no QK-norm, and a shared expert whose output is scaled by a
+sigmoid gate (`mlp.shared_expert_gate`), which is Megatron's `moe_shared_expert_gate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.megatron_backend.models import moe_decoder
+from megatron_rl.megatron_backend.models.family import (
+    HFConfig,
+    ModelDims,
+    ModelFamily,
+    UnsupportedModelError,
+    WeightRule,
+    register_family,
+    require_keys,
+    rope_theta,
+)
+
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "rms_norm_eps",
+)
+
+
+def dims(hf: HFConfig) -> ModelDims:
+    require_keys(hf, *REQUIRED_KEYS)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"qwen2_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError("qwen2_moe with use_sliding_window=true is not supported")
+    heads = int(hf["num_attention_heads"])
+    return ModelDims(
+        model_type="qwen2_moe",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=int(hf["num_key_value_heads"]),
+        head_dim=int(hf["hidden_size"]) // heads,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_experts=int(hf["num_experts"]),
+        top_k=int(hf["num_experts_per_tok"]),
+        moe_layer_pattern=moe_decoder.moe_layer_pattern(hf),
+    )
+
+
+def _shared_size(hf: HFConfig) -> int | None:
+    return int(hf.get("shared_expert_intermediate_size") or 0) or None
+
+
+def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
+    return moe_decoder.decoder_transformer_config(
+        hf,
+        dims(hf),
+        qk_layernorm=False,
+        qkv_bias=bool(hf.get("qkv_bias", True)),
+        dense_ffn_size=int(hf["intermediate_size"]),
+        expert_ffn_size=int(hf["moe_intermediate_size"]),
+        renormalize_top_k=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_size=_shared_size(hf),
+    )
+
+
+def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
+    return moe_decoder.gpt_model_kwargs(hf, dims(hf), rope_theta(hf))
+
+
+def weight_rules(hf: HFConfig) -> list[WeightRule]:
+    names = moe_decoder.DecoderNames(qkv_bias=bool(hf.get("qkv_bias", True)), shared_expert=bool(_shared_size(hf)))
+    return moe_decoder.decoder_weight_rules(hf, dims(hf), names)
+
+
+FAMILY = register_family(
+    ModelFamily(
+        model_type="qwen2_moe",
+        dims=dims,
+        transformer_config_kwargs=transformer_config_kwargs,
+        gpt_model_kwargs=gpt_model_kwargs,
+        weight_rules=weight_rules,
+        hf_architecture="Qwen2MoeForCausalLM",
+    )
+)

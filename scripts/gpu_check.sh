@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One short GPU check (< 10 min) for the device machine: megatron-core 0.19.2 on CUDA + NCCL (1 GPU).
+#
+# Prepare here (CPU machine), once:
+#   pip download megatron-core==0.19.2 --no-deps --python-version 3.12 --only-binary=:all: \
+#       --platform manylinux_2_28_x86_64 -d .gpu_wheels
+#   (.gpu_wheels/ is git-ignored; pass it in the device tool's `carry`.)
+# Run there:  bash scripts/gpu_check.sh      (results under $OUT, default ./gpu_check_out)
+#
+# What it checks, all on CUDA: the Qwen3-MoE HF parity of `megatron-rl logprobs` (log-probs, entropy,
+# routed experts vs transformers), the single-process actor invariants (export bitwise, ppo_kl == 0 on
+# the first update, loss falls, reference swap), with the TE layer spec when Transformer Engine imports
+# and the local spec otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_check_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+{
+    nvidia-smi
+    python3 -m pip install -q --no-deps --no-index --find-links .gpu_wheels "megatron-core==0.19.2"
+    python3 -m pip install -q --no-deps --no-build-isolation -e .
+    python3 - <<'PY'
+import importlib.metadata as m, torch
+from megatron_rl.optional_deps import is_available
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+print("megatron-core", m.version("megatron-core"), "transformer_engine", is_available("transformer_engine.pytorch"))
+PY
+} 2>&1 | tee "$OUT/environment.txt"
+python3 -m pytest -q -p no:cacheprovider \
+    tests/actor/test_logprobs_cli.py::test_logprobs_match_transformers \
+    tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
+    tests/actor/test_layouts.py::test_single_process_invariants \
+    tests/megatron/test_vocab_parallel.py 2>&1 | tee "$OUT/pytest.txt"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
