@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,24 +86,27 @@ def run_torchrun(script: Path, nproc: int, args: list[str], timeout: float = 300
             "--master_port", str(free_port()),
             str(script), *args,
         ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        # Output goes to files, not pipes: a worker that dies abruptly can leave grandchildren (e.g. the
+        # checkpoint writer's multiprocessing helpers) that would hold a pipe open forever.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
             _kill_tree(proc)
-            stdout, stderr = proc.communicate(timeout=30)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # leftovers in torchrun's session
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if timed_out:
             raise TorchrunError(
-                f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n"
-                f"--- stdout ---\n{_as_text(stdout)}\n--- stderr ---\n{_as_text(stderr)}"
-            ) from None
+                f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
+            )
         result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
         if result.returncode == 0:
             return result

@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--distributed-optimizer", type=int, default=1)
     parser.add_argument("--recompute", default="none")
+    parser.add_argument("--dtype", default="fp32")
     args = parser.parse_args()
 
     from megatron_rl.algorithms import policy_loss
@@ -35,7 +36,7 @@ def main() -> None:
     actor = MegatronActor.from_hf(
         args.model,
         layout,
-        model_options=ModelOptions(dispatcher="alltoall", recompute=args.recompute),
+        model_options=ModelOptions(dispatcher="alltoall", recompute=args.recompute, dtype=args.dtype),
         optimizer_options=OptimizerOptions(
             lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)
         ),
@@ -46,7 +47,7 @@ def main() -> None:
     reference = load_file(f"{args.model}/model.safetensors")
     exported = {name: t for bucket in actor.export_hf(bucket_bytes=1 << 16) for name, t in bucket}
     export_equal = sorted(exported) == sorted(reference) and all(
-        torch.equal(exported[k], reference[k]) for k in reference
+        torch.equal(exported[k], reference[k].to(exported[k].dtype)) for k in reference
     )
 
     gen = torch.Generator().manual_seed(3)

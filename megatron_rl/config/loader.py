@@ -1,0 +1,195 @@
+"""Load a run's config: defaults < ``algo.preset`` < YAML file < ``key=value`` overrides, then validate.
+
+YAML (files and override values) is read with YAML 1.2 core-schema scalars: only ``true``/``false``
+are booleans (``off``, ``yes``, ``no`` stay strings, so ``algo.routing_replay=off`` works), ``1e-5`` is a
+number, ``null``/``~`` is None, and ``010`` is ten. The resolved config is written the same way
+(`dump_yaml`), quoting any string that a YAML 1.1 or 1.2 reader would take for something else, so
+``load_config(dumped)`` gives back the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_rl.config.coercion import accepts_str, build, coerce_field, coerce_tree, section_of, to_dict
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.presets import PRESETS, preset_values
+from megatron_rl.config.schema import AlgoConfig, RLConfig
+from megatron_rl.config.validation import validate
+from megatron_rl.rollout.engine import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution).
+_BOOL_12 = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT_12 = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+_TAG = "tag:yaml.org,2002:"
+_SCALAR_TAGS = {_TAG + "bool", _TAG + "int", _TAG + "float", _TAG + "timestamp"}
+
+
+def _add_12_resolvers(cls: type) -> None:
+    cls.add_implicit_resolver(_TAG + "bool", _BOOL_12, list("tTfF"))
+    cls.add_implicit_resolver(_TAG + "int", _INT_12, list("-+0123456789"))
+    cls.add_implicit_resolver(_TAG + "float", _FLOAT_12, list("-+.0123456789"))
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core-schema scalars instead of YAML 1.1's."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in _SCALAR_TAGS]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node))
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    return int(text, 16) if text.startswith("0x") else int(text)
+
+
+_add_12_resolvers(_Loader)
+_Loader.add_constructor(_TAG + "int", _construct_int)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that also quotes strings YAML 1.2 would read as bool/int/float (it already does for 1.1)."""
+
+
+_add_12_resolvers(_Dumper)
+
+
+def parse_yaml(text: str) -> Any:
+    """A YAML document (or one override value) with YAML 1.2 scalars."""
+    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in YAML file ``path`` (empty file -> {}); ConfigError if missing, malformed or not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        data = parse_yaml(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of sections (model:, algo:, ...), got {type(data).__name__}")
+    return dict(data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` as (key path, value checked against the field's type); ConfigError says why not."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().removeprefix("--")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not key=value, e.g. algo.loss=gspo or rollout.n_samples=8")
+    path = key.split(".")
+    _, spec = section_of(RLConfig, path)
+    try:
+        value = parse_yaml(raw) if raw.strip() else raw.strip()
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, bool | int | float) and accepts_str(spec.type):
+        value = raw.strip()  # a string field keeps the text as typed: wandb_run_name=007
+    return path, coerce_field(value, spec, key)
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated recursively with ``update`` (mappings merge, anything else replaces)."""
+    out = dict(base)
+    for name, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(name), Mapping):
+            out[name] = _merge(out[name], value)
+        else:
+            out[name] = value
+    return out
+
+
+def _nested(path: list[str], value: Any) -> dict[str, Any]:
+    for name in reversed(path):
+        value = {name: value}
+    return value
+
+
+def explicit_settings(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The keys the user set (YAML file, then overrides on top), checked, as a partial tree."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        data = read_yaml(path)
+        try:
+            tree = coerce_tree(data, RLConfig)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    if isinstance(overrides, str):
+        raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
+    for text in overrides:
+        try:
+            key_path, value = parse_override(text)
+        except ConfigError as err:
+            raise ConfigError(f"command-line override {text!r}: {err}") from None
+        tree = _merge(tree, _nested(key_path, value))
+    return tree
+
+
+def resolve(explicit: Mapping[str, Any]) -> RLConfig:
+    """The config from explicitly set keys: preset first, explicit keys on top, derived defaults, validated."""
+    algo = explicit.get("algo", {})
+    preset = algo.get("preset", AlgoConfig.preset)
+    sampling = explicit.get("rollout", {}).get("sampling", {})
+    max_new_tokens = sampling.get("max_new_tokens", SamplingParams.max_new_tokens)
+    tree = _merge({"algo": preset_values(preset, max_new_tokens)}, explicit)
+    cfg = build(RLConfig, tree)
+    if cfg.model.tokenizer_path is None:
+        cfg = replace(cfg, model=replace(cfg.model, tokenizer_path=cfg.model.hf_path))
+    for note in validate(cfg):
+        log.warning("config: %s", note)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLConfig:
+    """Read YAML ``path`` (None = defaults only), apply ``key=value`` overrides, apply the preset, validate.
+
+    Precedence: defaults < ``algo.preset`` < keys in the YAML file < overrides. Raises ConfigError
+    naming the key for unknown keys, ill-typed values and invalid combinations; logs notes (warnings).
+    """
+    return resolve(explicit_settings(path, overrides))
+
+
+def from_dict(data: Mapping[str, Any]) -> RLConfig:
+    """The config exactly as ``data`` says (types checked, missing keys = defaults); inverse of `to_dict`.
+
+    No preset is applied and nothing is validated across fields: that is `load_config`'s job.
+    """
+    return build(RLConfig, data)
+
+
+def format_config(cfg: RLConfig) -> str:
+    """The config as YAML, for printing at start-up and saving with the run."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def dump_yaml(cfg: RLConfig, path: str | Path) -> Path:
+    """Write the resolved config to ``path`` (parents created); `load_config(path)` reads it back equal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    presets = ", ".join(PRESETS)
+    header = (
+        "# megatron_rl config, resolved (defaults, preset and overrides applied).\n"
+        f"# Re-run with: megatron-rl train {path.name}   (algo.preset is one of: {presets})\n"
+    )
+    path.write_text(header + format_config(cfg))
+    return path

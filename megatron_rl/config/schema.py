@@ -1,0 +1,281 @@
+"""The configuration tree of a training run: one frozen dataclass per section, every field with help text.
+
+    RLConfig
+      model      ModelConfig      (options: megatron_backend.model_builder.ModelOptions)
+      parallel   ParallelLayout   (megatron_backend.parallel_layout)
+      optimizer  OptimizerOptions (megatron_backend.actor)
+      algo       AlgoConfig
+      rollout    RolloutConfig    (sampling: rollout.engine.SamplingParams, sglang: SGLangConfig)
+      data       DataConfig
+      warmup     WarmupConfig
+      trainer    TrainerConfig
+      logging    LoggingConfig
+
+Field metadata: ``help`` (every field), optional bounds ``ge`` / ``gt`` / ``le`` checked when a value is
+read, and ``registry`` (a ``megatron_rl.algorithms`` registry whose names are the valid values).
+Loading, overrides and presets: ``loader.py``; checks that involve several fields: ``validation.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal
+
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.megatron_backend.actor import OptimizerOptions
+from megatron_rl.megatron_backend.model_builder import ModelOptions
+from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.rollout.engine import SamplingParams
+
+PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
+
+
+def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **checks: Any) -> Any:
+    """A dataclass field with help text and optional checks (``ge``, ``gt``, ``le``, ``registry``)."""
+    metadata = {"help": help, **checks}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model: where its HF checkpoint lives and how Megatron builds it."""
+
+    hf_path: str = setting(
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer); required. The actor, "
+        "the reference model and the rollout engine all load it"
+    )
+    tokenizer_path: str | None = setting(
+        None, help="tokenizer directory; null = hf_path (filled in when the config is loaded)"
+    )
+    build_tiny_if_missing: bool = setting(
+        False,
+        help="if hf_path does not exist, build a tiny random Qwen3-MoE there (megatron_rl.tiny_model) first: "
+        "the embedded CPU demo needs no download",
+    )
+    options: ModelOptions = setting(
+        default_factory=ModelOptions, help="how Megatron-Core builds the model (dtype, layer spec, recompute, ...)"
+    )
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The RL objective: policy loss, aggregation, advantages, KL, rollout correction, DAPO shaping.
+
+    ``preset`` fills this section with a published algorithm's values (``presets.py``); any key set
+    explicitly in the YAML file or on the command line wins over the preset.
+    """
+
+    preset: PresetName = setting(
+        "none",
+        help="published algorithm whose values fill this section before explicit keys are applied "
+        "(none = the defaults below); see presets.py",
+    )
+    loss: str = setting("ppo", help="policy loss (megatron_rl.algorithms.POLICY_LOSSES)", registry=POLICY_LOSSES)
+    agg: str = setting(
+        "token-mean",
+        help="how per-token losses reduce to a scalar (verl's loss_agg_mode; megatron_rl.algorithms.AGGREGATIONS)",
+        registry=AGGREGATIONS,
+    )
+    agg_norm: float | None = setting(
+        None,
+        help="constant normaliser of seq-mean-token-sum-norm (Dr. GRPO: the generation cap L_max); required "
+        "with that mode, since the padded batch length would make the loss scale depend on padding",
+        gt=0,
+    )
+    clip_low: float = setting(0.2, help="eps_low: ratio clipped below at 1 - clip_low (cispo: >= 1 = no bound)", ge=0)
+    clip_high: float = setting(
+        0.2, help="eps_high: ratio clipped above at 1 + clip_high (DAPO Clip-Higher: 0.28)", ge=0
+    )
+    clip_c: float | None = setting(
+        None, help="dual-clip constant c > 1 for A < 0 (ppo loss only); null = no dual clip", gt=1
+    )
+    tau_pos: float = setting(1.0, help="SAPO gate temperature for positive advantages", gt=0)
+    tau_neg: float = setting(1.05, help="SAPO gate temperature for non-positive advantages", gt=0)
+    advantage: str = setting(
+        "grpo",
+        help="advantage estimator (megatron_rl.algorithms.ADVANTAGE_ESTIMATORS); all are group-relative",
+        registry=ADVANTAGE_ESTIMATORS,
+    )
+    norm_adv_by_std: bool = setting(
+        True,
+        help="divide group-centred rewards by the group std (the grpo estimator's option; dr_grpo is grpo without it)",
+    )
+    kl_coef: float = setting(
+        0.0,
+        help="beta of the KL-to-reference term added to the loss (GRPO: 0.04); 0 = no reference model is built",
+        ge=0,
+    )
+    kl_estimator: str = setting(
+        "k3", help="KL estimator of the loss term (megatron_rl.algorithms.KL_ESTIMATORS)", registry=KL_ESTIMATORS
+    )
+    entropy_coef: float = setting(0.0, help="entropy bonus coefficient (loss -= entropy_coef * entropy)")
+    rollout_correction: Literal["none", "tis", "mis", "icepop"] = setting(
+        "none",
+        help="importance weights for the rollout-engine/trainer mismatch: tis = truncate at cap, mis = drop "
+        "above cap, icepop = drop outside [low, high]",
+    )
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = setting(
+        "token", help="rollout-correction ratio per token, per sequence (product) or geometric mean"
+    )
+    rollout_correction_cap: float = setting(2.0, help="cap C of tis / mis", gt=0)
+    rollout_correction_low: float = setting(0.5, help="icepop lower bound alpha", ge=0)
+    rollout_correction_high: float = setting(5.0, help="icepop upper bound beta", ge=0)
+    dynamic_sampling: bool = setting(
+        False, help="DAPO dynamic sampling: drop groups whose rewards are all equal, regenerate until the batch is full"
+    )
+    max_dynamic_tries: int = setting(
+        10, help="generation rounds per step dynamic sampling may use before training on what it has", ge=1
+    )
+    overlong_buffer: int = setting(
+        0,
+        help="DAPO soft overlong penalty L_cache in tokens: the penalty ramps from 0 at max_new_tokens - "
+        "L_cache to -overlong_penalty_factor at max_new_tokens; 0 = off",
+        ge=0,
+    )
+    overlong_penalty_factor: float = setting(1.0, help="size of the full overlong penalty", ge=0)
+    overlong_filter: bool = setting(False, help="mask the loss of truncated responses (DAPO overlong filtering)")
+    routing_replay: Literal["off", "R2", "R3"] = setting(
+        "off",
+        help="MoE routing replay: R2 = record routes in the old-policy pass and replay them in training; R3 = "
+        "replay the rollout engine's routes in every training-side pass",
+    )
+    ppo_epochs: int = setting(1, help="passes over each rollout batch", ge=1)
+    mini_batches_per_step: int = setting(
+        1,
+        help="optimizer updates per pass: the rollout batch is split into this many mini-batches (updates per "
+        "step = ppo_epochs * mini_batches_per_step)",
+        ge=1,
+    )
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """SGLang rollout servers: connect to running ones or launch them on this node."""
+
+    urls: tuple[str, ...] = setting((), help="running servers (http://host:port); empty = launch num_servers")
+    num_servers: int = setting(1, help="servers to launch when urls is empty", ge=1)
+    tp_size: int = setting(1, help="GPUs per launched server (SGLang --tp-size)", ge=1)
+    ep_size: int = setting(1, help="expert-parallel size inside a launched server (SGLang --ep-size)", ge=1)
+    mem_fraction_static: float = setting(
+        0.7, help="GPU memory fraction a launched server takes for weights and KV cache", gt=0, le=1
+    )
+    base_port: int = setting(30000, help="port of the first launched server; the others count up", ge=1, le=65535)
+    router: bool = setting(False, help="launch sglang-router in front of the servers and generate through it")
+    router_port: int = setting(30100, help="port of the launched router", ge=1, le=65535)
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = setting(
+        "cache_aware", help="load-balancing policy of the launched router"
+    )
+    startup_timeout_s: float = setting(600.0, help="seconds to wait for servers to become healthy", gt=0)
+    request_timeout_s: float = setting(1800.0, help="seconds one generate request may take", gt=0)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Generation: which engine, how many samples, how weights reach it."""
+
+    engine: Literal["local", "sglang"] = setting(
+        "local", help="local = embedded engine in the trainer process (small runs); sglang = SGLang servers"
+    )
+    n_samples: int = setting(8, help="responses per prompt (the group size G)", ge=1)
+    prompts_per_step: int = setting(32, help="prompts per training step", ge=1)
+    sampling: SamplingParams = setting(default_factory=SamplingParams, help="sampling parameters of generation")
+    sglang: SGLangConfig = setting(default_factory=SGLangConfig, help="SGLang servers (engine=sglang only)")
+    weight_sync: Literal["tensor", "distributed", "disk"] = setting(
+        "tensor",
+        help="how new weights reach the engine: tensor = in memory (local engine, colocated servers), "
+        "distributed = NCCL broadcast to separate servers, disk = via a checkpoint directory (fallback)",
+    )
+    bucket_mb: int = setting(512, help="weights are sent in buckets of at most this many MiB", ge=1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts, answers and the reward."""
+
+    train: str = setting("synthetic", help="training prompts: a JSONL file, or 'synthetic' for the built-in task")
+    eval: str | None = setting(None, help="evaluation prompts (JSONL or 'synthetic'); null = no evaluation")
+    prompt_key: str = setting("prompt", help="JSONL field holding the prompt (text or chat messages)")
+    answer_key: str = setting("answer", help="JSONL field holding the reference answer passed to the reward")
+    apply_chat_template: bool = setting(True, help="wrap prompts with the tokenizer's chat template")
+    reward: str = setting(
+        "exact_match",
+        help="reward function: a built-in name, or an import path 'package.module:function' "
+        "(or 'package.module.function')",
+    )
+    reward_timeout_s: float = setting(10.0, help="seconds one reward call may take before it scores 0", gt=0)
+    eval_every: int = setting(0, help="evaluate every N steps and after the last one; 0 = never", ge=0)
+    eval_prompts: int = setting(64, help="prompts per evaluation", ge=1)
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Optional supervised warm-up on the training data's answers before RL (the tiny demo needs it)."""
+
+    sft_steps: int = setting(0, help="supervised steps before RL; 0 = no warm-up", ge=0)
+    sft_lr: float = setting(1e-4, help="learning rate of the warm-up", gt=0)
+    sft_batch_size: int = setting(16, help="prompt-answer pairs per warm-up step", ge=1)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The training loop: length, batching, checkpoints."""
+
+    steps: int = setting(100, help="RL steps (generate, score, update, sync weights)", ge=1)
+    micro_batch_tokens: int = setting(
+        4096, help="token budget of one forward/backward micro-batch (sequences are packed up to it)", ge=1
+    )
+    seed: int = setting(1234, help="seed of data order, sampling and dropout")
+    colocate: bool = setting(
+        True, help="trainer and rollout engine share the GPUs and take turns; false = separate GPUs"
+    )
+    output_dir: str = setting("runs/megatron_rl", help="checkpoints, the resolved config, logs and plots go here")
+    save_every: int = setting(50, help="save a checkpoint every N steps (and after the last); 0 = only the last", ge=0)
+    keep_last: int = setting(2, help="checkpoints to keep; 0 = keep all", ge=0)
+    resume: str = setting(
+        "auto", help="auto = from the latest checkpoint in output_dir if any; never; or a checkpoint path"
+    )
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics: wandb, TensorBoard, console, plots."""
+
+    wandb: bool = setting(True, help="log to Weights & Biases")
+    wandb_project: str = setting("megatron-rl", help="wandb project")
+    wandb_run_name: str | None = setting(None, help="wandb run name; null = the name of trainer.output_dir")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = setting(
+        "auto", help="auto = online if WANDB_API_KEY is set, else offline (sync later with `wandb sync`)"
+    )
+    tensorboard: bool = setting(False, help="also write TensorBoard event files to output_dir/tensorboard")
+    log_every: int = setting(1, help="print and log metrics every N steps", ge=1)
+    plot: bool = setting(True, help="write PNG plots of the main metrics to output_dir at the end")
+
+    def resolved_wandb_mode(self, environ: Mapping[str, str] | None = None) -> str:
+        """The mode to pass to ``wandb.init``: ``auto`` resolved against WANDB_API_KEY, ``disabled`` if off."""
+        if not self.wandb:
+            return "disabled"
+        if self.wandb_mode != "auto":
+            return self.wandb_mode
+        env = os.environ if environ is None else environ
+        return "online" if env.get("WANDB_API_KEY") else "offline"
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Everything a `megatron-rl train` run reads; saved resolved as output_dir/config.yaml."""
+
+    model: ModelConfig = setting(help="the policy model")
+    parallel: ParallelLayout = setting(
+        default_factory=ParallelLayout, help="Megatron parallel layout of the actor (and reference) model"
+    )
+    optimizer: OptimizerOptions = setting(default_factory=OptimizerOptions, help="optimizer and LR schedule")
+    algo: AlgoConfig = setting(default_factory=AlgoConfig, help="the RL algorithm")
+    rollout: RolloutConfig = setting(default_factory=RolloutConfig, help="generation")
+    data: DataConfig = setting(default_factory=DataConfig, help="prompts and reward")
+    warmup: WarmupConfig = setting(default_factory=WarmupConfig, help="optional supervised warm-up")
+    trainer: TrainerConfig = setting(default_factory=TrainerConfig, help="training loop and checkpoints")
+    logging: LoggingConfig = setting(default_factory=LoggingConfig, help="metrics and plots")

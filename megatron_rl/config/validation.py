@@ -1,0 +1,244 @@
+"""Checks that involve more than one field, run when a config is loaded: fail at start-up, not at step 5000.
+
+Single-field checks (types, bounds, registry names) happen when values are read (``coercion.py``);
+world-size and model-shape rules of the parallel layout belong to ``ParallelLayout.validate``, which
+the trainer calls once it knows the world size and the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import RLConfig
+
+# Engines that can return the experts each token was routed to (needed by R3).
+ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")
+_REWARD = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)?$")
+
+
+def read_model_config(hf_path: str) -> dict[str, Any] | None:
+    """The HF ``config.json`` of ``hf_path`` if it exists yet (None for a model still to be built)."""
+    path = Path(hf_path) / "config.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_moe(hf_config: dict[str, Any]) -> bool:
+    """Whether an HF config describes a Mixture-of-Experts model."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(int(hf_config.get(k) or 0) > 1 for k in keys)
+
+
+def validate(cfg: RLConfig) -> list[str]:
+    """Raise ConfigError listing every invalid combination in ``cfg``; return notes worth a warning."""
+    errors: list[str] = []
+    notes: list[str] = []
+    for check in (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_optimizer):
+        check(cfg, errors, notes)
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return notes
+
+
+def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    algo, rollout = cfg.algo, cfg.rollout
+    max_new = rollout.sampling.max_new_tokens
+    if algo.agg == "seq-mean-token-sum-norm" and algo.agg_norm is None:
+        errors.append(
+            "algo.agg='seq-mean-token-sum-norm' needs algo.agg_norm, a constant normaliser (Dr. GRPO: the "
+            f"generation cap, here algo.agg_norm={max_new}); without it each batch is divided by its padded "
+            "length, so the loss scale depends on padding"
+        )
+    if algo.agg_norm is not None and algo.agg != "seq-mean-token-sum-norm":
+        notes.append(f"algo.agg_norm={algo.agg_norm} is unused with algo.agg={algo.agg!r}")
+    if algo.clip_c is not None and algo.loss != "ppo":
+        errors.append(
+            f"algo.clip_c (dual clip) applies to algo.loss='ppo' only, not {algo.loss!r}; set algo.clip_c=null"
+        )
+    if rollout.n_samples < 2:
+        errors.append(
+            f"rollout.n_samples={rollout.n_samples}: algo.advantage={algo.advantage!r} is group-relative, so a "
+            "group of one response has advantage 0 and nothing is learned; use rollout.n_samples >= 2"
+        )
+        if algo.dynamic_sampling:
+            errors.append("algo.dynamic_sampling needs rollout.n_samples > 1: a group of one is always 'all equal'")
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage)
+    takes_std_option = "norm_by_std" in inspect.signature(estimator).parameters
+    if not algo.norm_adv_by_std and not takes_std_option and algo.advantage != "dr_grpo":
+        errors.append(
+            f"algo.norm_adv_by_std=false has no effect with algo.advantage={algo.advantage!r} (only 'grpo' "
+            "divides by the group std); use algo.advantage=grpo or dr_grpo"
+        )
+    if algo.overlong_buffer >= max_new:
+        errors.append(
+            f"algo.overlong_buffer={algo.overlong_buffer} must be < rollout.sampling.max_new_tokens={max_new}: "
+            "the overlong penalty ramps over the last overlong_buffer tokens of the generation cap"
+        )
+    samples = rollout.prompts_per_step * rollout.n_samples
+    if samples % algo.mini_batches_per_step:
+        errors.append(
+            f"rollout.prompts_per_step * rollout.n_samples = {rollout.prompts_per_step} * {rollout.n_samples} = "
+            f"{samples} samples per step do not split into algo.mini_batches_per_step={algo.mini_batches_per_step} "
+            "equal mini-batches"
+        )
+    if algo.rollout_correction == "icepop" and algo.rollout_correction_low > algo.rollout_correction_high:
+        errors.append(
+            f"algo.rollout_correction_low={algo.rollout_correction_low} > algo.rollout_correction_high="
+            f"{algo.rollout_correction_high}: icepop keeps weights in [low, high]"
+        )
+    if algo.kl_coef > 0:
+        notes.append(
+            f"algo.kl_coef={algo.kl_coef}: a reference model (same layout as the actor) is kept for the "
+            f"{algo.kl_estimator} KL term"
+        )
+    if algo.loss in ("gspo", "gspo_token") and max(algo.clip_low, algo.clip_high) >= 0.01:
+        notes.append(
+            f"algo.loss={algo.loss!r} clips the sequence-level ratio, which stays within ~1e-3 of 1: clip range "
+            f"{algo.clip_low}/{algo.clip_high} almost never clips (GSPO uses 3e-4/4e-4)"
+        )
+    if algo.loss == "cispo" and algo.clip_low < 1:
+        notes.append(
+            f"algo.clip_low={algo.clip_low} bounds the CISPO weight below at {1 - algo.clip_low:g}; the paper "
+            "sets no lower bound (clip_low >= 1)"
+        )
+
+
+def _check_routing_replay(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    mode, engine = cfg.algo.routing_replay, cfg.rollout.engine
+    hf = read_model_config(cfg.model.hf_path)
+    moe = hf is not None and is_moe(hf)
+    if mode == "off":
+        if moe and cfg.algo.loss == "ppo":
+            notes.append(
+                "token-level ppo loss on a MoE model without routing replay: the experts a token uses change "
+                "between the old-policy and training passes, which the GSPO paper (Fig. 3) found stalls GRPO; "
+                "consider algo.routing_replay=R2 or R3"
+            )
+        return
+    if not cfg.model.options.routing_replay:
+        errors.append(
+            f"algo.routing_replay={mode} needs routers built for replay: set model.options.routing_replay=true"
+        )
+    if hf is not None and not moe:
+        errors.append(f"algo.routing_replay={mode} needs a MoE model, but {cfg.model.hf_path} has no experts")
+    if mode == "R3":
+        if engine not in ENGINES_WITH_ROUTED_EXPERTS:
+            errors.append(
+                f"algo.routing_replay=R3 replays the rollout engine's routes, but rollout.engine={engine!r} does "
+                f"not return them; use one of {', '.join(ENGINES_WITH_ROUTED_EXPERTS)}"
+            )
+        if engine == "sglang" and cfg.rollout.sglang.urls:
+            notes.append(
+                "algo.routing_replay=R3: the servers in rollout.sglang.urls must run with "
+                "--enable-return-routed-experts"
+            )
+
+
+def _check_rollout(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    rollout, colocate = cfg.rollout, cfg.trainer.colocate
+    s = rollout.sampling
+    if s.max_new_tokens < 1:
+        errors.append(f"rollout.sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
+    if s.temperature < 0:
+        errors.append(f"rollout.sampling.temperature={s.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        errors.append(f"rollout.sampling.top_p={s.top_p} must be in (0, 1]")
+    if s.top_k != -1 and s.top_k < 1:
+        errors.append(f"rollout.sampling.top_k={s.top_k} must be -1 (all tokens) or >= 1")
+    if any(t < 0 for t in s.stop_token_ids):
+        errors.append(f"rollout.sampling.stop_token_ids={list(s.stop_token_ids)} must be token ids >= 0")
+    if rollout.engine == "local":
+        if rollout.weight_sync != "tensor":
+            errors.append(
+                f"rollout.weight_sync={rollout.weight_sync!r}: the local engine runs in the trainer process and "
+                "takes weights in memory; use rollout.weight_sync=tensor"
+            )
+        if not colocate:
+            errors.append("rollout.engine='local' runs inside the trainer process: trainer.colocate must be true")
+        return
+    if rollout.weight_sync == "distributed" and colocate:
+        errors.append(
+            "rollout.weight_sync='distributed' broadcasts over an NCCL group of trainer and servers, which cannot "
+            "hold two ranks on one GPU; with trainer.colocate=true use rollout.weight_sync=tensor"
+        )
+    if rollout.weight_sync == "tensor" and not colocate:
+        notes.append(
+            "rollout.weight_sync='tensor' with separate GPUs (trainer.colocate=false) sends weights by value over "
+            "HTTP; 'distributed' (NCCL broadcast) is the fast path"
+        )
+    sg = rollout.sglang
+    if sg.urls and sg.num_servers > 1:
+        errors.append(
+            f"rollout.sglang.urls lists running servers and rollout.sglang.num_servers={sg.num_servers} asks to "
+            "launch servers; set only one of them"
+        )
+    bad_urls = [u for u in sg.urls if not re.match(r"^https?://[^/\s]+", u)]
+    if bad_urls:
+        errors.append(f"rollout.sglang.urls: {bad_urls} are not http(s)://host:port addresses")
+    if not sg.urls and sg.router and sg.base_port <= sg.router_port < sg.base_port + sg.num_servers:
+        errors.append(
+            f"rollout.sglang.router_port={sg.router_port} collides with the server ports {sg.base_port}.."
+            f"{sg.base_port + sg.num_servers - 1}"
+        )
+
+
+def _check_data(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    data = cfg.data
+    if data.eval_every > 0 and data.eval is None:
+        errors.append(f"data.eval_every={data.eval_every} but data.eval is null: set data.eval (a JSONL or synthetic)")
+    if data.eval is not None and data.eval_every == 0:
+        errors.append(f"data.eval={data.eval!r} is never used with data.eval_every=0; set data.eval_every > 0")
+    if not _REWARD.match(data.reward):
+        errors.append(
+            f"data.reward={data.reward!r} is neither a reward name nor an import path 'package.module:function'"
+        )
+
+
+def _check_trainer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    trainer, max_new = cfg.trainer, cfg.rollout.sampling.max_new_tokens
+    if trainer.micro_batch_tokens < max_new:
+        errors.append(
+            f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} is below rollout.sampling.max_new_tokens="
+            f"{max_new}: a micro-batch must hold at least one whole sequence (prompt + response)"
+        )
+    if trainer.resume not in ("auto", "never") and not Path(trainer.resume).exists():
+        errors.append(f"trainer.resume={trainer.resume!r}: no such checkpoint (or use 'auto' / 'never')")
+
+
+def _check_optimizer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    opt = cfg.optimizer
+    if not opt.lr > 0:
+        errors.append(f"optimizer.lr={opt.lr} must be > 0")
+    if not 0 <= opt.min_lr <= opt.lr:
+        errors.append(f"optimizer.min_lr={opt.min_lr} must be in [0, optimizer.lr={opt.lr}]")
+    if opt.total_steps < 1 or opt.warmup_steps < 0:
+        errors.append(f"optimizer.total_steps={opt.total_steps} must be >= 1 and warmup_steps >= 0")
+    elif opt.warmup_steps > opt.total_steps:
+        errors.append(f"optimizer.warmup_steps={opt.warmup_steps} exceeds optimizer.total_steps={opt.total_steps}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(opt, name) < 1:
+            errors.append(f"optimizer.{name}={getattr(opt, name)} must be in [0, 1)")
+    if not opt.adam_eps > 0:
+        errors.append(f"optimizer.adam_eps={opt.adam_eps} must be > 0")
+    for name in ("weight_decay", "clip_grad"):
+        if getattr(opt, name) < 0:
+            errors.append(f"optimizer.{name}={getattr(opt, name)} must be >= 0")
+    if cfg.model.options.aux_loss_coeff < 0:
+        errors.append(f"model.options.aux_loss_coeff={cfg.model.options.aux_loss_coeff} must be >= 0")
+    updates = cfg.trainer.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches_per_step
+    if opt.lr_schedule != "constant" and opt.total_steps != updates:
+        notes.append(
+            f"optimizer.total_steps={opt.total_steps} counts optimizer updates; this run makes trainer.steps * "
+            f"algo.ppo_epochs * algo.mini_batches_per_step = {updates}, so the {opt.lr_schedule} decay "
+            + ("does not finish" if opt.total_steps > updates else "ends early")
+        )

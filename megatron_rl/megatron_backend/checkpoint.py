@@ -1,0 +1,210 @@
+"""Megatron distributed checkpoints of the actor: model, optimizer, LR schedule, RNG and trainer state.
+
+Layout of `<dir>/`:
+    step_000000020/           a complete checkpoint
+        megatron/             dist_checkpointing (torch_dist): model + optimizer, sharded per rank
+        rng/rank_00003.pt     each rank's RNG states (CPU, CUDA, Megatron's tracker)
+        trainer_state.json    step, scheduler, data position, anything the trainer passes in
+        COMPLETE              written last
+    .tmp_step_000000030/      a save in progress (ignored, removed by the next save)
+    latest                    name of the newest complete checkpoint, replaced atomically
+
+A save writes everything under a temporary name and renames it when every rank has finished, so a
+crash mid-save leaves the previous checkpoint as `latest`. Model weights reshard to any TP/EP/PP
+layout (Megatron's sharded tensors carry global keys); the distributed optimizer's state uses the
+`dp_reshardable` format, which reshards across data-parallel sizes only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.actor import MegatronActor
+
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+def _sharding_metadata() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "distrib_optim_sharding_type": "dp_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _model_sharded_state_dict(actor: MegatronActor, metadata: dict) -> dict:
+    modules = actor.modules
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(modules)}
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if platform.device().type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and platform.device().type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _inner_optimizers(actor: MegatronActor) -> list:
+    return list(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]))
+
+
+def _adam_steps(actor: MegatronActor) -> list[float | None]:
+    """The per-parameter Adam step count of each (chained) optimizer.
+
+    Megatron's dp_reshardable optimizer format does not carry torch Adam's per-parameter `step` (it
+    comes back as the dummy value 1), which would silently change Adam's bias correction after a
+    resume; we store it ourselves.
+    """
+    steps: list[float | None] = []
+    for opt in _inner_optimizers(actor):
+        states = list(opt.optimizer.state.values()) if hasattr(opt, "optimizer") else []
+        value = states[0].get("step") if states else None
+        steps.append(None if value is None else float(value))
+    return steps
+
+
+def _restore_adam_steps(actor: MegatronActor, steps: list[float | None]) -> None:
+    for opt, step in zip(_inner_optimizers(actor), steps, strict=True):
+        if step is None or not hasattr(opt, "optimizer"):
+            continue
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                old = state["step"]
+                state["step"] = torch.full_like(old, step) if torch.is_tensor(old) else step
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / COMPLETE).is_file():
+            return candidate
+    complete = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file())
+    return complete[-1] if complete else None
+
+
+def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_state: dict, *, keep_last: int = 2):
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    rank = dist.get_rank()
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp_{step_dir_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / "megatron").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    metadata = _sharding_metadata()
+    state = _model_sharded_state_dict(actor, metadata)
+    if actor.optimizer is not None:
+        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
+    dist_checkpointing.save(state, str(tmp / "megatron"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        full_state = {
+            "step": step,
+            "actor_step": actor.step,
+            "scheduler": actor.scheduler.state_dict() if actor.scheduler is not None else None,
+            "adam_steps": _adam_steps(actor) if actor.optimizer is not None else None,
+            "trainer": trainer_state,
+            "world_size": dist.get_world_size(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1, default=str))
+    dist.barrier()
+    if rank == 0:
+        (tmp / COMPLETE).write_text("ok\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(root / "latest", final.name)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True) -> dict:
+    """Collective. Restores model (any layout), optimizer + scheduler + RNG (same layout); returns trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    saved = json.loads((path / "trainer_state.json").read_text())
+    metadata = _sharding_metadata()
+    state = _model_sharded_state_dict(actor, metadata)
+    with_optimizer = load_optimizer and actor.optimizer is not None
+    if with_optimizer:
+        for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                opt._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    try:
+        loaded = dist_checkpointing.load(state, str(path / "megatron"))
+    except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
+        raise CheckpointError(f"cannot load {path}: {err}. Was it written for another architecture?") from err
+    with torch.no_grad():
+        for i, module in enumerate(actor.modules):
+            module.load_state_dict(loaded["model" if len(actor.modules) == 1 else f"model{i}"], strict=True)
+        if with_optimizer:
+            actor.optimizer.load_state_dict(loaded["optimizer"])
+            if saved.get("adam_steps"):
+                _restore_adam_steps(actor, saved["adam_steps"])
+    if with_optimizer and actor.scheduler is not None and saved.get("scheduler"):
+        actor.scheduler.load_state_dict(saved["scheduler"])
+    actor.step = saved.get("actor_step", saved["step"])
+    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng_file.is_file() and saved.get("world_size") == dist.get_world_size():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return saved["trainer"]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file())
+    for old in complete[: max(len(complete) - keep_last, 0)]:
+        shutil.rmtree(old, ignore_errors=True)

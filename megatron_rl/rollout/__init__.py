@@ -1,0 +1,1 @@
+"""Rollout: engines that generate samples (local HF engine, SGLang), rewards, dynamic sampling, prompt data."""

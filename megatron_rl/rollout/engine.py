@@ -1,0 +1,52 @@
+"""The interface every rollout engine implements (local HF engine, SGLang servers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from megatron_rl.rollout.sample import Sample
+
+NamedTensorBucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generate call (SGLang's names)."""
+
+    max_new_tokens: int = field(default=128, metadata={"help": "response length cap (tokens)"})
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; 0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
+    top_k: int = field(default=-1, metadata={"help": "sample among the k most likely tokens; -1 = all"})
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "tokens that end a response"})
+    seed: int | None = field(default=None, metadata={"help": "sampling seed (reproducible rollouts)"})
+
+
+class RolloutEngine(Protocol):
+    """Generates samples and takes new weights; implementations: `LocalEngine`, `SGLangEngine`."""
+
+    @property
+    def weight_version(self) -> str: ...
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, return_routed_experts: bool = False
+    ) -> list[Sample]:
+        """`n` samples per prompt, grouped prompt by prompt (sample i*n+j is prompt i's j-th)."""
+        ...
+
+    def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
+        """Load HF-named full tensors (streamed in buckets) and stamp later samples with `version`."""
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def healthy(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

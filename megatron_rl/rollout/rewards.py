@@ -1,0 +1,247 @@
+"""Reward functions: a registry of built-ins, custom functions by dotted path, and timed, fault-tolerant scoring.
+
+A reward function is ``fn(sample, text, metadata) -> float``: `text` is the decoded response (special tokens
+skipped, so the stop token is not in it), `metadata` the sample's (it holds the reference "answer").
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.synthetic_task import synthetic_reward
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[Sample, str, Mapping[str, Any]], float]
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make `fn` available as `get_reward(name)`."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return add
+
+
+def get_reward(name: str | RewardFn) -> RewardFn:
+    """A registered name, a dotted path ("package.module:function" or "package.module.function"), or a callable."""
+    if callable(name):
+        return name
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"unknown reward {name!r}: not one of {sorted(REWARD_FUNCTIONS)} nor a dotted path")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load reward function {name!r}: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+@register_reward("exact_match")
+def exact_match(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 if the stripped response equals the stripped reference answer."""
+    return float(text.strip() == str(metadata["answer"]).strip())
+
+
+register_reward("synthetic")(synthetic_reward)
+
+
+@register_reward("math_answer")
+def math_answer(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 if the response's final answer equals the reference: the last ``\\boxed{..}``, else the last
+    "answer: X" / "answer is X", else the last number; compared numerically when both parse as numbers
+    (integers, decimals, fractions, ``\\frac{a}{b}``), else as normalised strings. If the `math-verify` package
+    is installed its verdict is also accepted (either check passing gives 1.0)."""
+    reference = str(metadata["answer"])
+    predicted = extract_final_answer(text)
+    if predicted is not None and answers_match(predicted, _last_boxed(reference) or reference):
+        return 1.0
+    verify = _math_verify()
+    return float(verify is not None and verify(reference, text))
+
+
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*\$?([^\n$]+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer in `text` (see `math_answer`), or None."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    stated = _ANSWER_IS.findall(text)
+    if stated:
+        return stated[-1].strip().rstrip(".").strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].strip() if numbers else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+        i += 1
+    return None  # unbalanced braces
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    a, b = _as_number(predicted), _as_number(reference)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return _normalise(predicted) == _normalise(reference)
+
+
+def _normalise(s: str) -> str:
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\(left|right|!|,|;|\s)", "", s).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return re.sub(r"\s+", "", s).strip("$.").lower()
+
+
+def _as_number(s: str) -> float | None:
+    s = _normalise(s).replace(",", "")
+    frac = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}", s) or re.fullmatch(r"(-?)\\frac(\d)(\d)", s)
+    try:
+        if frac:
+            value = Fraction(int(frac[2]), int(frac[3]))
+            return float(-value if frac[1] else value)
+        if s.endswith("%"):
+            return float(s[:-1]) / 100
+        return float(Fraction(s))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+@functools.cache
+def _math_verify() -> Callable[[str, str], bool] | None:
+    """`math_verify`'s check when the package is installed (optional, never a hard dependency)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+
+    def check(reference: str, text: str) -> bool:
+        # Its default timeouts use SIGALRM, which only works in the main thread; `compute_rewards` times out instead.
+        gold, answer = parse(reference, parsing_timeout=None), parse(text, parsing_timeout=None)
+        return bool(verify(gold, answer, timeout_seconds=None))
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+@dataclass
+class RewardStats:
+    """Summary of one `compute_rewards` call (or several, merged with `+`)."""
+
+    count: int = 0
+    total: float = 0.0
+    errors: int = 0  # reward function raised (reward set to 0.0)
+    timeouts: int = 0  # reward function ran past the timeout (reward set to 0.0)
+    first_error: str | None = None
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def __add__(self, other: RewardStats) -> RewardStats:
+        return RewardStats(
+            self.count + other.count,
+            self.total + other.total,
+            self.errors + other.errors,
+            self.timeouts + other.timeouts,
+            self.first_error or other.first_error,
+        )
+
+
+def compute_rewards(
+    samples: list[Sample],
+    fn: str | RewardFn,
+    tokenizer,
+    *,
+    timeout_s: float = 10.0,
+    max_workers: int = 8,
+) -> RewardStats:
+    """Score every sample (sets `sample.reward`), each call in its own daemon thread with a `timeout_s` limit.
+
+    A call that raises, returns a non-finite value, or runs past `timeout_s` (counted from its own start) gives
+    0.0; errors and timeouts are counted and logged once per call of this function. Python cannot kill a thread:
+    a hung reward's thread lingers in the background (daemon, so it never blocks exit) and its late result is
+    discarded. At most `max_workers` rewards run at once; a hung one stops counting against that limit.
+    """
+    reward_fn = get_reward(fn)
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    done: queue.Queue[tuple[int, float | None, BaseException | None]] = queue.Queue()
+    stats = RewardStats(count=len(samples))
+    pending = list(range(len(samples)))[::-1]
+    started: dict[int, float] = {}  # running index -> start time
+
+    def run(i: int) -> None:
+        try:
+            done.put((i, float(reward_fn(samples[i], texts[i], samples[i].metadata)), None))
+        except BaseException as err:  # noqa: BLE001 - any failure of user code is a 0 reward, not a crash
+            done.put((i, None, err))
+
+    while pending or started:
+        while pending and len(started) < max_workers:
+            i = pending.pop()
+            started[i] = time.monotonic()
+            threading.Thread(target=run, args=(i,), name=f"reward-{i}", daemon=True).start()
+        deadline = min(started.values()) + timeout_s
+        try:
+            i, value, err = done.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            now = time.monotonic()
+            for i in [i for i, t in started.items() if now - t >= timeout_s]:
+                del started[i]
+                samples[i].reward = 0.0
+                stats.timeouts += 1
+                stats.first_error = stats.first_error or f"timed out after {timeout_s} s"
+            continue
+        if started.pop(i, None) is None:
+            continue  # a late result of a call already timed out
+        if err is None and not math.isfinite(value):
+            err = ValueError(f"reward is {value}")
+        if err is not None:
+            samples[i].reward = 0.0
+            stats.errors += 1
+            stats.first_error = stats.first_error or f"{type(err).__name__}: {err}"
+        else:
+            samples[i].reward = value
+            stats.total += value
+    if stats.errors or stats.timeouts:
+        logger.warning(
+            "reward %s: %d of %d calls raised and %d timed out (scored 0.0); first: %s",
+            getattr(reward_fn, "__name__", fn),
+            stats.errors,
+            len(samples),
+            stats.timeouts,
+            stats.first_error,
+        )
+    return stats
