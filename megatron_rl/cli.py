@@ -16,6 +16,7 @@ from megatron_rl.optional_deps import MissingOptionalDependency
 
 # name -> (module exposing `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_rl.commands.train", "RL training from a YAML config with dotted overrides"),
     "logprobs": ("megatron_rl.commands.logprobs", "score tokens: per-token log-probs, entropy and routed experts"),
 }
 

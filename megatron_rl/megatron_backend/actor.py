@@ -227,9 +227,14 @@ class MegatronActor:
             mb = next(data_iterator)
             ids = mb.input_ids.to(platform.device())
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            chunk = chunk_of[id(model)]
             if replay_routes:
-                self._set_replay_targets(mb, chunk_of[id(model)])
+                self._set_replay_targets(mb, chunk)
+                self.routers.set_action("replay_forward", chunk=chunk)
             output = model(ids, pos, attention_mask=None)
+            if replay_routes and not forward_only:
+                # Activation recompute re-runs this forward during backward: it pops the same routes.
+                self.routers.set_action("replay_backward", chunk=chunk)
             if record_routes:
                 recorded[chunk_of[id(model)]].append(self.routers.take_recorded(chunk_of[id(model)]))
             return output, partial(loss_func, mb)
@@ -241,7 +246,6 @@ class MegatronActor:
         if replay_routes:
             if any(mb.routes is None for mb in micro_batches):
                 raise ValueError("replay_routes needs batch.routes")
-            self.routers.set_action("replay_forward")
         try:
             iterators = [iter(micro_batches) for _ in self.chunks]
             outputs = get_forward_backward_func()(
@@ -384,8 +388,20 @@ class MegatronActor:
             row += n
         return out
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
-        """One optimizer step over `batch` (this call's global batch); returns averaged metrics."""
+    def train_step(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        replay_routes: bool = False,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over `batch` (this call's global batch); returns averaged metrics.
+
+        `replay_routes`: force `batch.routes` in the forward and in the activation-recompute forward.
+        `lr`: use this learning rate for this step and leave the LR schedule where it is (warm-up stages).
+        """
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -401,13 +417,22 @@ class MegatronActor:
             metrics["_count"] = int(count)
             return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
 
-        outputs, _ = self._run(micro_batches, loss_func, forward_only=False)
+        outputs, _ = self._run(micro_batches, loss_func, forward_only=False, replay_routes=replay_routes)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: gradients were not finite (NaN/inf loss?)")
-        self.scheduler.step(increment=1)
-        self.step += 1
-        return self._reduce_metrics(outputs, grad_norm)
+        if lr is None:
+            self.scheduler.step(increment=1)
+            self.step += 1
+        else:
+            self.scheduler.step(increment=0)  # put the schedule's LR back
+        metrics = self._reduce_metrics(outputs, grad_norm)
+        if lr is not None:
+            metrics["lr"] = lr
+        return metrics
 
     def _reduce_metrics(self, outputs: list, grad_norm: float | None) -> dict[str, float]:
         """Count-weighted means of the loss and the loss_fn's metrics over micro-batches and DP ranks."""

@@ -52,13 +52,19 @@ class MoERouters:
     def layers(self) -> list[int]:
         return [h.global_layer for h in self.handles]
 
-    def set_action(self, action: str | None) -> None:
-        """`record`, `replay_forward`, `replay_backward` or None (natural routing) for every router."""
+    def set_action(self, action: str | None, *, chunk: int | None = None) -> None:
+        """`record`, `replay_forward`, `replay_backward` or None (natural routing) for every router
+        (or only those of model chunk `chunk`)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         value = None if action is None else RouterReplayAction(action)
         for h in self.handles:
-            h.router.router_replay.router_replay_action = value
+            if chunk is None or h.chunk == chunk:
+                h.router.router_replay.router_replay_action = value
+
+    def unconsumed(self) -> list[int]:
+        """Layers whose replay queue still holds routes (each recorded route must be used exactly once)."""
+        return [h.global_layer for h in self.handles if h.router.router_replay.replay_backward_list]
 
     def take_recorded(self, chunk: int) -> list[torch.Tensor]:
         """The top-k indices each router of model chunk `chunk` recorded in its last forward,

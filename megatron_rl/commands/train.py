@@ -1,0 +1,38 @@
+"""`megatron-rl train CONFIG [key=value ...]`: run RL training from a YAML config with dotted overrides.
+
+Single process: `megatron-rl train examples/tiny_moe_gspo.yaml`.
+Several processes (tensor/expert/pipeline/data parallel): `torchrun --nproc_per_node N -m megatron_rl.cli train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config (see examples/); omit with --help-config")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.preset=sapo rollout.n_samples=4")
+    parser.add_argument("--help-config", action="store_true", help="print every config key with help and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_rl.config import config_help, load_config
+
+    if args.help_config:
+        print(config_help())
+        return 0
+    if args.config is None:
+        raise ValueError("a config file is required, e.g. megatron-rl train examples/tiny_moe_gspo.yaml")
+    cfg = load_config(args.config, args.overrides)
+    from megatron_rl.trainer.loop import train
+
+    result = train(cfg)
+    if result.history:
+        last = result.history[-1]
+        for key in ("eval/accuracy", "rollout/reward_mean"):
+            before = next((r[key] for r in result.history if key in r), None)
+            if before is not None and key in last:
+                print(f"{key}: {before:.3f} (first) -> {last[key]:.3f} (last)")
+    for plot in result.plots:
+        print(f"plot: {plot}")
+    return 0

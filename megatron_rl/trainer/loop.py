@@ -1,0 +1,416 @@
+"""The RL training loop, explicit: rollout -> rewards -> advantages -> old/ref log-probs -> updates -> sync.
+
+Read top to bottom: `train(cfg)` sets up the parts, optionally warms the policy up with supervised
+steps, then runs `trainer.steps` RL steps. Rank 0 owns the rollout engine (colocated, in-process) and
+broadcasts each step's samples to every rank; all ranks train.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms import compute_advantages, kl_penalty
+from megatron_rl.config import dump_yaml, format_config, to_dict
+from megatron_rl.config.schema import RLConfig
+from megatron_rl.megatron_backend import checkpoint
+from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+from megatron_rl.megatron_backend.hf_weights import read_hf_config
+from megatron_rl.megatron_backend.models import get_family
+from megatron_rl.megatron_backend.reference import ReferenceWeights
+from megatron_rl.trainer.rl_batch import samples_to_batch, select
+from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
+from megatron_rl.trainer.run_log import RunLog
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    history: list[dict[str, float]]
+    plots: list[Path]
+
+
+def train(cfg: RLConfig) -> TrainResult:
+    output_dir = Path(cfg.trainer.output_dir)
+    model_dir = prepare_model_dir(cfg)
+    hf = read_hf_config(model_dir)
+    dims = get_family(hf).dims(hf)
+    init_distributed(
+        cfg.parallel,
+        seed=cfg.trainer.seed,
+        num_layers=dims.num_layers,
+        num_experts=dims.num_experts,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+    )
+    rank0 = dist.get_rank() == 0
+    try:
+        tokenizer = load_tokenizer(cfg, dims.vocab_size)
+        torch.manual_seed(cfg.trainer.seed)
+        actor = MegatronActor.from_hf(
+            model_dir,
+            cfg.parallel,
+            model_options=cfg.model.options,
+            optimizer_options=cfg.optimizer,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        )
+        reference = ReferenceWeights(actor) if cfg.algo.kl_coef > 0 else None
+        data = PromptData(cfg, tokenizer)
+        engine = build_engine(cfg, model_dir) if rank0 else None
+        ckpt_root = output_dir / "checkpoints"
+        state = {"step": 0, "sft_done": False, "data": None}
+        resume_from = resolve_resume(cfg, ckpt_root)
+        if resume_from is not None:
+            state = checkpoint.load_checkpoint(actor, resume_from)
+            data.load_state_dict(state["data"])
+        if rank0:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, output_dir / "config.yaml")
+            print(format_config(cfg), flush=True)
+            if resume_from is not None:
+                print(f"resumed from {resume_from} at step {state['step']}", flush=True)
+        log = RunLog(cfg.logging, output_dir, cfg.trainer.steps, to_dict(cfg)) if rank0 else None
+
+        if not state["sft_done"] and cfg.warmup.sft_steps > 0:
+            supervised_warmup(cfg, actor, data, log)
+            state["sft_done"] = True
+        if engine is not None or not rank0:
+            sync_weights(actor, engine, cfg, version=f"step-{state['step']}")
+        loss_fn = build_rl_loss(cfg.algo)
+        if log is not None and state["step"] == 0 and cfg.data.eval and cfg.data.eval_every:
+            log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
+        for step in range(state["step"] + 1, cfg.trainer.steps + 1):
+            metrics = rl_step(cfg, step, actor, engine, reference, data, tokenizer, loss_fn)
+            if cfg.data.eval and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
+                if rank0:
+                    metrics.update(evaluate(cfg, engine, data, tokenizer))
+            if log is not None:
+                log.log(step, metrics)
+            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                checkpoint.save_checkpoint(
+                    actor,
+                    ckpt_root,
+                    step,
+                    {"step": step, "sft_done": True, "data": data.state_dict()},
+                    keep_last=cfg.trainer.keep_last or 10**9,
+                )
+        plots = log.close() if log is not None else []
+        return TrainResult(output_dir, log.history if log is not None else [], plots)
+    finally:
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- one RL step
+def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer, loss_fn) -> dict[str, float]:
+    algo, timings = cfg.algo, {}
+    t0 = time.perf_counter()
+
+    # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank.
+    rollout = data.collect(engine, step) if engine is not None else None
+    samples, rollout_metrics = broadcast_object(
+        (rollout.samples, rollout_metrics_of(rollout, cfg)) if rollout is not None else None
+    )
+    timings["time/rollout"] = time.perf_counter() - t0
+
+    # 2. Advantages from the group-structured rewards.
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    advantages = compute_advantages(
+        algo.advantage, rewards, cfg.rollout.n_samples, **advantage_options(algo.advantage, algo.norm_adv_by_std)
+    )
+    r3 = algo.routing_replay == "R3"
+    batch = samples_to_batch(samples, advantages=advantages, with_routes=r3)
+
+    # 3. Mini-batches of the first epoch are fixed now: old-policy log-probs are computed on exactly the
+    #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0).
+    epochs = [mini_batch_partition(cfg, step, epoch, batch.size) for epoch in range(algo.ppo_epochs)]
+    t = time.perf_counter()
+    r2 = algo.routing_replay == "R2"
+    batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
+    entropy = torch.zeros_like(batch.fields["loss_mask"])
+    if r2:
+        batch.routes = None
+    for part in epochs[0]:
+        scored = actor.compute_log_probs(select(batch, part), with_entropy=True, record_routes=r2, replay_routes=r3)
+        batch.fields["old_log_probs"][part] = scored.log_probs
+        entropy[part] = scored.entropy
+        if r2:
+            if batch.routes is None:
+                batch.routes = torch.zeros((batch.size, *scored.routes.shape[1:]), dtype=scored.routes.dtype)
+            batch.routes[part] = scored.routes
+    if reference is not None:
+        with reference.swapped_in() as ref_actor:
+            batch.fields["ref_log_probs"] = ref_actor.compute_log_probs(batch).log_probs
+    timings["time/old_logp"] = time.perf_counter() - t
+    metrics = {**rollout_metrics, **mismatch_metrics(batch, batch.fields["old_log_probs"], entropy)}
+
+    # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
+    t = time.perf_counter()
+    updates = [
+        actor.train_step(select(batch, part), loss_fn, with_entropy=True, replay_routes=algo.routing_replay != "off")
+        for parts in epochs
+        for part in parts
+    ]
+    metrics.update(_mean_metrics(updates))
+    metrics["actor/ppo_kl_first"] = updates[0].get("actor/ppo_kl", 0.0)
+    metrics["actor/grad_norm"] = updates[-1]["grad_norm"]
+    metrics["actor/lr"] = updates[-1]["lr"]
+    timings["time/train"] = time.perf_counter() - t
+
+    # 5. Weight sync to the rollout engine.
+    t = time.perf_counter()
+    sync_weights(actor, engine, cfg, version=f"step-{step}")
+    timings["time/weight_sync"] = time.perf_counter() - t
+    timings["time/step"] = time.perf_counter() - t0
+    metrics.update(timings)
+    metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / timings["time/step"]
+    return metrics
+
+
+def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> list[list[int]]:
+    """Row indices of each mini-batch of one epoch (a seeded shuffle, the same on every rank)."""
+    shuffle = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step * 1000 + epoch)
+    order = torch.randperm(size, generator=shuffle)
+    return [sorted(part.tolist()) for part in order.chunk(cfg.algo.mini_batches_per_step)]
+
+
+def advantage_options(name: str, norm_by_std: bool) -> dict[str, Any]:
+    return {"norm_by_std": norm_by_std} if name == "grpo" else {}
+
+
+def rollout_metrics_of(rollout, cfg: RLConfig) -> dict[str, float]:
+    samples = rollout.samples
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    task = torch.tensor([s.metadata.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
+    groups = rollout.kept_groups + rollout.dropped_groups + rollout.aborted_groups
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/accuracy": float((task > 0.5).float().mean()),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": float(sum(s.truncated for s in samples) / len(samples)),
+        "rollout/filtered_group_frac": rollout.dropped_groups / max(groups, 1),
+        "rollout/tries": float(rollout.tries),
+        "rollout/batch_filled": float(rollout.filled),
+        "rollout/reward_errors": float(rollout.reward_stats.errors + rollout.reward_stats.timeouts),
+    }
+
+
+def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> dict[str, float]:
+    """Trainer vs rollout-engine log-probs of the same response tokens: mean |diff| and k3 KL."""
+    mask = batch.response_mask()
+    trainer, engine = old_log_probs[mask], batch.fields["rollout_log_probs"][mask]
+    return {
+        "mismatch/logp_abs_diff": float((trainer - engine).abs().mean()),
+        "mismatch/logp_abs_diff_max": float((trainer - engine).abs().max()),
+        "mismatch/k3_kl": float(kl_penalty(engine, trainer, "k3").mean()),
+        "actor/entropy_old": float(entropy[mask].mean()),
+    }
+
+
+def _mean_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    keys = set().union(*updates)
+    return {
+        k if k.startswith("actor/") else f"actor/{k}": sum(u.get(k, 0.0) for u in updates) / len(updates) for k in keys
+    }
+
+
+# ---------------------------------------------------------------------------------------------- parts
+def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data, log) -> None:
+    """`warmup.sft_steps` supervised steps on prompt -> answer pairs (the synthetic task's SFT split)."""
+    from tqdm import tqdm
+
+    w = cfg.warmup
+    bar = tqdm(range(w.sft_steps), desc="supervised warm-up", disable=dist.get_rank() != 0)
+    for k in bar:
+        pairs = data.sft_pairs(w.sft_batch_size, start=k * w.sft_batch_size)
+        batch = pairs_to_batch(pairs)
+        metrics = actor.train_step(batch, sft_loss, lr=w.sft_lr)
+        bar.set_postfix(nll=f"{metrics['sft/nll']:.3f}")
+
+
+def pairs_to_batch(pairs) -> TokenBatch:
+    lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pairs]
+    ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
+    for i, p in enumerate(pairs):
+        ids[i, : lengths[i]] = torch.tensor(p.prompt_ids + p.response_ids)
+    return TokenBatch(ids, torch.tensor(lengths), torch.tensor([len(p.prompt_ids) for p in pairs]))
+
+
+def evaluate(cfg: RLConfig, engine, data, tokenizer) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts."""
+    from megatron_rl.rollout.rewards import compute_rewards
+
+    prompts = data.eval_prompts(cfg.data.eval_prompts)
+    params = replace(cfg.rollout.sampling, temperature=0.0)
+    samples = engine.generate([p.token_ids for p in prompts], params, n=1)
+    for s, p in zip(samples, prompts, strict=True):
+        s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
+    compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)
+    return {"eval/accuracy": sum(s.reward > 0.5 for s in samples) / len(samples)}
+
+
+def sync_weights(actor: MegatronActor, engine, cfg: RLConfig, *, version: str) -> None:
+    """Stream the actor's weights (HF names) into the rollout engine (collective: every rank exports)."""
+    buckets = actor.export_hf(bucket_bytes=cfg.rollout.bucket_mb << 20)
+    if engine is None:
+        for _ in buckets:
+            pass
+        return
+    engine.update_weights(buckets, version)
+
+
+def broadcast_object(obj: Any) -> Any:
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resolve_resume(cfg: RLConfig, ckpt_root: Path) -> Path | None:
+    mode = cfg.trainer.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return checkpoint.latest_checkpoint(ckpt_root)
+    path = Path(mode)
+    return checkpoint.latest_checkpoint(path) or path
+
+
+def prepare_model_dir(cfg: RLConfig) -> Path:
+    """The HF model directory; the tiny demo model is built there on first use when asked to."""
+    path = Path(cfg.model.hf_path)
+    if not (path / "config.json").is_file():
+        if not cfg.model.build_tiny_if_missing:
+            raise FileNotFoundError(f"model.hf_path={path} has no config.json (set model.build_tiny_if_missing?)")
+        from megatron_rl.tiny_model import make_tiny_qwen3_moe
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("build the tiny model once in a single process before a multi-rank run")
+        make_tiny_qwen3_moe(path, seed=cfg.trainer.seed)
+    return path
+
+
+def load_tokenizer(cfg: RLConfig, model_vocab: int):
+    from transformers import AutoTokenizer
+
+    path = cfg.model.tokenizer_path or cfg.model.hf_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) > model_vocab:
+        raise ValueError(
+            f"tokenizer at {path} has {len(tokenizer)} tokens but the model's vocabulary has {model_vocab}: "
+            "the tokenizer does not match the model (set model.tokenizer_path to the model's own tokenizer)"
+        )
+    return tokenizer
+
+
+def build_engine(cfg: RLConfig, model_dir: Path):
+    if cfg.rollout.engine != "local":
+        raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'local'")
+    from megatron_rl.rollout.local_engine import LocalEngine
+
+    return LocalEngine(model_dir, weight_version="step-0")
+
+
+class PromptData:
+    """Training and evaluation prompts, the reward, and the resumable position in the prompt stream."""
+
+    def __init__(self, cfg: RLConfig, tokenizer):
+        from megatron_rl.rollout.rewards import get_reward
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reward_fn = get_reward(cfg.data.reward)
+        self.task = None
+        self.train_iter = None
+        if cfg.data.train == "synthetic":
+            from megatron_rl.rollout.synthetic_task import SyntheticTask
+
+            self.task = SyntheticTask(seed=cfg.trainer.seed, tokenizer=tokenizer)
+            self.stream = self.task.stream()
+        else:
+            from megatron_rl.rollout.prompts import PromptIterator, load_prompts
+
+            prompts = load_prompts(
+                cfg.data.train,
+                tokenizer,
+                prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key,
+                apply_chat_template=cfg.data.apply_chat_template,
+            )
+            self.train_iter = PromptIterator(prompts, seed=cfg.trainer.seed)
+            self.stream = self.train_iter
+
+    def collect(self, engine, step: int):
+        """One step's rollout batch; sampling is seeded per step so a resumed run draws the same samples."""
+        from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch
+
+        algo, rollout = self.cfg.algo, self.cfg.rollout
+        overlong = None
+        if algo.overlong_buffer > 0 or algo.overlong_filter:
+            overlong = OverlongOptions(
+                max_len=rollout.sampling.max_new_tokens,
+                cache_len=algo.overlong_buffer,
+                factor=algo.overlong_penalty_factor if algo.overlong_buffer > 0 else 0.0,
+                filter_truncated=algo.overlong_filter,
+            )
+        return collect_batch(
+            engine,
+            self.stream,
+            rollout.n_samples,
+            rollout.prompts_per_step,
+            replace(rollout.sampling, seed=(rollout.sampling.seed or self.cfg.trainer.seed) * 100_003 + step),
+            self.reward_fn,
+            tokenizer=self.tokenizer,
+            dynamic_sampling=algo.dynamic_sampling,
+            max_tries=algo.max_dynamic_tries,
+            overlong=overlong,
+            reward_timeout_s=self.cfg.data.reward_timeout_s,
+            return_routed_experts=algo.routing_replay == "R3",
+        )
+
+    def eval_prompts(self, n: int):
+        if self.cfg.data.eval == "synthetic":
+            return self.task.eval_prompts(n) if self.task is not None else _synthetic(self).eval_prompts(n)
+        from megatron_rl.rollout.prompts import load_prompts
+
+        return load_prompts(
+            self.cfg.data.eval,
+            self.tokenizer,
+            prompt_key=self.cfg.data.prompt_key,
+            answer_key=self.cfg.data.answer_key,
+            apply_chat_template=self.cfg.data.apply_chat_template,
+        )[:n]
+
+    def sft_pairs(self, n: int, *, start: int):
+        if self.task is None:
+            raise ValueError("warmup.sft_steps needs data.train: synthetic (no SFT data for other datasets yet)")
+        return self.task.sft_pairs(n, start=start)
+
+    def state_dict(self) -> dict:
+        return {
+            "synthetic": self.task.state_dict() if self.task else None,
+            "prompts": self.train_iter.state_dict() if self.train_iter else None,
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
+        if self.task is not None and state.get("synthetic"):
+            self.task.load_state_dict(state["synthetic"])
+        if self.train_iter is not None and state.get("prompts"):
+            self.train_iter.load_state_dict(state["prompts"])
+
+
+def _synthetic(data: PromptData):
+    from megatron_rl.rollout.synthetic_task import SyntheticTask
+
+    return SyntheticTask(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)

@@ -1,0 +1,65 @@
+"""Turn rollout `Sample`s into the actor's `TokenBatch` (right-padded, per-token fields aligned)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.rollout.sample import Sample
+
+
+def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_routes: bool = False) -> TokenBatch:
+    """Fields: `advantages` (per sample, broadcast over its tokens), `rollout_log_probs` (the engine's),
+    `loss_mask` (response tokens, zero for samples excluded from the loss). With `with_routes`, the
+    samples' `routed_experts` (SGLang layout) become `batch.routes`; the last position gets dummy
+    experts, as it is never fed in SGLang's layout and its output never reaches a log-prob."""
+    if not samples:
+        raise ValueError("no samples to train on")
+    lengths = [len(s.tokens) for s in samples]
+    longest = max(lengths)
+    b = len(samples)
+    ids = torch.zeros(b, longest, dtype=torch.long)
+    rollout_logp = torch.zeros(b, longest)
+    loss_mask = torch.zeros(b, longest)
+    routes = None
+    if with_routes:
+        first = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+        if first is None:
+            raise ValueError("routing replay R3 needs routed_experts from the rollout engine")
+        layers, k = first.shape[1:]
+        routes = torch.arange(k, dtype=torch.int16).expand(b, longest, layers, k).clone()
+    for i, s in enumerate(samples):
+        n, start = lengths[i], len(s.prompt_ids)
+        ids[i, :n] = torch.tensor(s.tokens)
+        rollout_logp[i, start:n] = torch.tensor(s.response_log_probs, dtype=torch.float32)
+        if not s.metadata.get("exclude_from_loss") and not getattr(s, "exclude_from_loss", False):
+            loss_mask[i, start:n] = 1.0
+        if routes is not None:
+            if s.routed_experts is None:
+                raise ValueError(f"sample {i} has no routed_experts but routing replay R3 is on")
+            routes[i, : n - 1] = torch.from_numpy(np.asarray(s.routed_experts, dtype=np.int16))
+    fields = {
+        "advantages": advantages.float().view(b, 1).expand(b, longest).contiguous(),
+        "rollout_log_probs": rollout_logp,
+        "loss_mask": loss_mask,
+    }
+    return TokenBatch(
+        input_ids=ids,
+        lengths=torch.tensor(lengths),
+        response_start=torch.tensor([len(s.prompt_ids) for s in samples]),
+        fields=fields,
+        routes=routes,
+    )
+
+
+def select(batch: TokenBatch, index: list[int]) -> TokenBatch:
+    """A mini-batch of rows (keeps the full padded width, so fields stay aligned)."""
+    idx = torch.tensor(index)
+    return TokenBatch(
+        input_ids=batch.input_ids[idx],
+        lengths=batch.lengths[idx],
+        response_start=batch.response_start[idx],
+        fields={k: v[idx] for k, v in batch.fields.items()},
+        routes=None if batch.routes is None else batch.routes[idx],
+    )

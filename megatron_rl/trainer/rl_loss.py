@@ -1,0 +1,94 @@
+"""The RL loss handed to `MegatronActor.train_step`: policy loss + KL to reference + entropy bonus.
+
+Built once from `AlgoConfig`; per micro-batch it returns `(loss_sum, count, metrics)` where
+`loss_sum / count` is that micro-batch's aggregated loss, so Megatron's global normalisation (the sum
+of counts over micro-batches and data-parallel ranks) reproduces the exact global aggregation:
+`count` is the number of valid tokens for `token-mean` and of non-empty sequences otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
+from megatron_rl.config.schema import AlgoConfig
+from megatron_rl.megatron_backend.batch import TokenBatch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def build_rl_loss(algo: AlgoConfig) -> LossFn:
+    def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch):
+        device = log_probs.device
+        mask = mb.fields["loss_mask"].to(device)
+        old = mb.fields["old_log_probs"].to(device)
+        adv = mb.fields["advantages"].to(device)
+        weights = None
+        if algo.rollout_correction != "none":
+            weights = rollout_correction_weights(
+                old,
+                mb.fields["rollout_log_probs"].to(device),
+                mask,
+                level=algo.rollout_correction_level,
+                mode=algo.rollout_correction,
+                cap=algo.rollout_correction_cap,
+                low=algo.rollout_correction_low,
+                high=algo.rollout_correction_high,
+            )
+        loss, metrics = policy_loss(
+            algo.loss,
+            log_probs,
+            old,
+            adv,
+            mask,
+            agg=algo.agg,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            clip_c=algo.clip_c,
+            tau_pos=algo.tau_pos,
+            tau_neg=algo.tau_neg,
+            agg_norm=algo.agg_norm,
+            rollout_weights=weights,
+        )
+        out = {f"actor/{k}": float(v) for k, v in metrics.items()}
+        out["actor/pg_loss"] = float(loss)
+        if algo.kl_coef > 0:
+            kl = kl_penalty(log_probs, mb.fields["ref_log_probs"].to(device), algo.kl_estimator, response_mask=mask)
+            kl_loss = aggregate(kl, mask, algo.agg, norm=algo.agg_norm)
+            loss = loss + algo.kl_coef * kl_loss
+            out["actor/kl_ref"] = float(kl_loss)
+        if entropy is not None:
+            ent = aggregate(entropy, mask, algo.agg, norm=algo.agg_norm)
+            out["actor/entropy"] = float(ent)
+            if algo.entropy_coef:
+                loss = loss - algo.entropy_coef * ent
+        return _as_sum(loss, mask, algo.agg, real_rows=mb.size - mb.padding_rows), out
+
+    def with_count(log_probs, entropy, mb):
+        (loss_sum, count), out = loss_fn(log_probs, entropy, mb)
+        return loss_sum, count, out
+
+    return with_count
+
+
+def _as_sum(loss: torch.Tensor, mask: torch.Tensor, agg: str, *, real_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, denominator) such that numerator / denominator == `loss` for this micro-batch and the
+    sums over micro-batches and ranks give the global aggregation (see `aggregate` for the modes)."""
+    valid = mask > 0
+    if agg == "token-mean":
+        count = valid.sum()
+        return loss * count, count.to(torch.int)
+    if agg == "seq-mean-token-sum-norm":  # aggregate divides by norm * rows (padding rows included)
+        return loss * mask.shape[0], torch.tensor(real_rows, dtype=torch.int)
+    count = (valid.sum(-1) > 0).sum()
+    return loss * count, count.to(torch.int)
+
+
+def sft_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch):
+    """Supervised warm-up: mean negative log-likelihood of the response (answer) tokens."""
+    mask = mb.response_mask().to(log_probs.device).float()
+    count = mask.sum().to(torch.int)
+    nll = -(log_probs * mask).sum()
+    return nll, count, {"sft/nll": float(nll / count.clamp(min=1))}

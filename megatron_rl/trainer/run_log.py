@@ -1,0 +1,138 @@
+"""Where a run reports: a line per step with ETA, `metrics.jsonl`, wandb (offline without an API key),
+TensorBoard, and PNG plots of the curves people look at."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config.schema import LoggingConfig
+
+logger = logging.getLogger(__name__)
+
+# (file name, title, metric keys) of the plots written at the end of a run.
+PLOTS = (
+    ("reward.png", "reward and held-out accuracy", ("rollout/reward_mean", "eval/accuracy")),
+    ("train.png", "policy", ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm")),
+    ("mismatch.png", "trainer vs rollout log-probs", ("mismatch/logp_abs_diff", "mismatch/k3_kl")),
+)
+
+
+class RunLog:
+    """Collects metrics of one run (rank 0 only) and fans them out."""
+
+    def __init__(self, cfg: LoggingConfig, output_dir: Path, total_steps: int, run_config: dict[str, Any]):
+        self.cfg = cfg
+        self.output_dir = output_dir
+        self.total_steps = total_steps
+        self.history: list[dict[str, float]] = []
+        self._jsonl = (output_dir / "metrics.jsonl").open("a")
+        self._start = time.monotonic()
+        self._first_step: int | None = None
+        self._wandb = self._init_wandb(run_config) if cfg.wandb else None
+        self._tb = self._init_tensorboard() if cfg.tensorboard else None
+
+    def _init_wandb(self, run_config: dict[str, Any]):
+        mode = self.cfg.resolved_wandb_mode(os.environ)
+        if mode == "disabled":
+            return None
+        try:
+            import wandb
+        except ImportError:
+            logger.warning("wandb is not installed; metrics go to metrics.jsonl only")
+            return None
+        return wandb.init(
+            project=self.cfg.wandb_project,
+            name=self.cfg.wandb_run_name or self.output_dir.name,
+            dir=str(self.output_dir),
+            mode=mode,
+            config=run_config,
+            settings=wandb.Settings(silent=True),
+        )
+
+    def _init_tensorboard(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._first_step is None:
+            self._first_step, self._start = step, time.monotonic()
+        if step % self.cfg.log_every == 0 or step == self.total_steps:
+            print(self.format_line(step, metrics), flush=True)
+
+    def format_line(self, step: int, m: dict[str, float]) -> str:
+        done = step - (self._first_step or step) + 1
+        per_step = (time.monotonic() - self._start) / max(done - 1, 1) if done > 1 else m.get("time/step", 0.0)
+        eta = per_step * (self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, label, fmt in (
+            ("rollout/reward_mean", "reward", ".3f"),
+            ("eval/accuracy", "eval_acc", ".3f"),
+            ("actor/pg_loss", "loss", ".4f"),
+            ("actor/ppo_kl", "ppo_kl", ".2e"),
+            ("actor/ppo_kl_first", "kl0", ".0e"),
+            ("actor/clip_frac_high", "clip", ".3f"),
+            ("actor/grad_norm", "gnorm", ".3f"),
+            ("mismatch/logp_abs_diff", "mismatch", ".1e"),
+            ("routing/agreement", "route_agree", ".3f"),
+            ("time/step", "s/step", ".1f"),
+        ):
+            if key in m and math.isfinite(m[key]):
+                parts.append(f"{label} {m[key]:{fmt}}")
+        parts.append(f"eta {_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> list[Path]:
+        """Flush everything; write plots. Returns the PNG paths."""
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        return self.plot() if self.cfg.plot else []
+
+    def plot(self) -> list[Path]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        written = []
+        for name, title, keys in PLOTS:
+            series = {k: [(r["step"], r[k]) for r in self.history if k in r] for k in keys}
+            series = {k: v for k, v in series.items() if v}
+            if not series:
+                continue
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for key, points in series.items():
+                ax.plot(*zip(*points, strict=True), marker="o" if len(points) < 30 else None, label=key)
+            ax.set_xlabel("step")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            path = self.output_dir / name
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+        return written
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
