@@ -178,6 +178,16 @@ class MegatronActor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
 
+    @torch.no_grad()
+    def reset_optimizer_state(self) -> None:
+        """Zero Adam's moments and step count (e.g. between a supervised warm-up and RL, so the warm-up's
+        momentum does not keep moving the policy when RL gradients are zero)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in getattr(opt, "optimizer", opt).state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+
     def _reload_main_params(self) -> None:
         """After weights changed outside the optimizer, copy them into its fp32 main parameters."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):

@@ -47,6 +47,19 @@ class ReferenceWeights:
             _copy_into(modules, parked)
 
 
+def reference_from_hf(actor: MegatronActor, model_dir: str | Path) -> ReferenceWeights:
+    """Reference weights read from an HF checkpoint (e.g. the policy after the warm-up stage), captured
+    on the host while the actor's own weights are parked and then put back."""
+    modules = actor.modules
+    parked = [{name: _host_copy(p, False) for name, p in m.named_parameters()} for m in modules]
+    actor.load_hf(model_dir)
+    reference = ReferenceWeights(actor)
+    _copy_into(modules, parked)
+    if actor.optimizer is not None:
+        actor._reload_main_params()
+    return reference
+
+
 def separate_reference_model(actor: MegatronActor, model_dir: str | Path) -> MegatronActor:
     """A second model (same layout, no optimizer) holding the reference weights on the device."""
     return MegatronActor.from_hf(

@@ -22,9 +22,10 @@ from megatron_rl.megatron_backend import checkpoint
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models import get_family
-from megatron_rl.megatron_backend.reference import ReferenceWeights
+from megatron_rl.megatron_backend.reference import reference_from_hf
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
 from megatron_rl.trainer.run_log import RunLog
@@ -61,7 +62,6 @@ def train(cfg: RLConfig) -> TrainResult:
             optimizer_options=cfg.optimizer,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
-        reference = ReferenceWeights(actor) if cfg.algo.kl_coef > 0 else None
         data = PromptData(cfg, tokenizer)
         engine = build_engine(cfg, model_dir) if rank0 else None
         ckpt_root = output_dir / "checkpoints"
@@ -78,9 +78,16 @@ def train(cfg: RLConfig) -> TrainResult:
                 print(f"resumed from {resume_from} at step {state['step']}", flush=True)
         log = RunLog(cfg.logging, output_dir, cfg.trainer.steps, to_dict(cfg)) if rank0 else None
 
+        warmed_up = output_dir / "warmup_model"  # the policy after the supervised stage, in HF format
         if not state["sft_done"] and cfg.warmup.sft_steps > 0:
             supervised_warmup(cfg, actor, data, log)
+            actor.reset_optimizer_state()
+            save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
             state["sft_done"] = True
+        # The KL reference is the policy RL starts from: the warmed-up model, else the initial one.
+        reference = None
+        if cfg.algo.kl_coef > 0:
+            reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
         if engine is not None or not rank0:
             sync_weights(actor, engine, cfg, version=f"step-{state['step']}")
         loss_fn = build_rl_loss(cfg.algo)
@@ -118,6 +125,8 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
         (rollout.samples, rollout_metrics_of(rollout, cfg)) if rollout is not None else None
     )
     timings["time/rollout"] = time.perf_counter() - t0
+    if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
+        return {**rollout_metrics, **timings, "time/step": time.perf_counter() - t0}
 
     # 2. Advantages from the group-structured rewards.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -144,9 +153,11 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
             if batch.routes is None:
                 batch.routes = torch.zeros((batch.size, *scored.routes.shape[1:]), dtype=scored.routes.dtype)
             batch.routes[part] = scored.routes
-    if reference is not None:
+    if reference is not None:  # on the same micro-batches too: policy == reference gives KL exactly 0
+        batch.fields["ref_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
         with reference.swapped_in() as ref_actor:
-            batch.fields["ref_log_probs"] = ref_actor.compute_log_probs(batch).log_probs
+            for part in epochs[0]:
+                batch.fields["ref_log_probs"][part] = ref_actor.compute_log_probs(select(batch, part)).log_probs
     timings["time/old_logp"] = time.perf_counter() - t
     metrics = {**rollout_metrics, **mismatch_metrics(batch, batch.fields["old_log_probs"], entropy)}
 
@@ -185,23 +196,33 @@ def advantage_options(name: str, norm_by_std: bool) -> dict[str, Any]:
 
 
 def rollout_metrics_of(rollout, cfg: RLConfig) -> dict[str, float]:
+    """Rollout metrics; reward and accuracy are over every scored sample (dynamic sampling keeps a
+    biased subset), lengths over the kept ones."""
     samples = rollout.samples
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    task = torch.tensor([s.metadata.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
     groups = rollout.kept_groups + rollout.dropped_groups + rollout.aborted_groups
-    return {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "rollout/accuracy": float((task > 0.5).float().mean()),
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/response_len_max": float(lengths.max()),
-        "rollout/truncated_frac": float(sum(s.truncated for s in samples) / len(samples)),
+    metrics = {
+        "rollout/reward_mean": float(rollout.reward_stats.mean),
         "rollout/filtered_group_frac": rollout.dropped_groups / max(groups, 1),
         "rollout/tries": float(rollout.tries),
         "rollout/batch_filled": float(rollout.filled),
         "rollout/reward_errors": float(rollout.reward_stats.errors + rollout.reward_stats.timeouts),
+        "rollout/samples": float(len(samples)),
     }
+    if samples:
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        task = torch.tensor([s.metadata.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
+        metrics.update(
+            {
+                "rollout/kept_reward_mean": float(rewards.mean()),
+                "rollout/kept_reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                "rollout/kept_accuracy": float((task > 0.5).float().mean()),
+                "rollout/response_len_mean": float(lengths.mean()),
+                "rollout/response_len_max": float(lengths.max()),
+                "rollout/truncated_frac": float(sum(s.truncated for s in samples) / len(samples)),
+            }
+        )
+    return metrics
 
 
 def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> dict[str, float]:

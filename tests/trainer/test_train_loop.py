@@ -121,3 +121,33 @@ def test_tokenizer_that_does_not_match_the_model(model_dir: Path, tmp_path: Path
     proc = _train(tmp_path / "bad", model_dir, "trainer.steps=1", f"model.tokenizer_path={big}", check=False)
     assert proc.returncode == 2
     assert "tokenizer does not match the model" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algo.preset=grpo"],
+        ["algo.preset=dapo"],
+        ["algo.preset=sapo"],
+        ["algo.preset=dr_grpo"],
+        ["algo.preset=cispo"],
+        ["algo.preset=grpo", "algo.routing_replay=R2"],
+        ["algo.preset=grpo", "algo.routing_replay=R3"],
+    ],
+    ids=lambda o: "+".join(x.split("=")[1] for x in o),
+)
+def test_algorithms_run_by_override(model_dir: Path, tmp_path: Path, overrides: list[str]) -> None:
+    out = tmp_path / "run"
+    _train(
+        out, model_dir, "trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+        "trainer.save_every=0", "logging.plot=false", *overrides,
+    )  # fmt: skip
+    steps = [r for r in _history(out) if r["step"] > 0]
+    assert len(steps) == 2
+    trained = [r for r in steps if "actor/ppo_kl_first" in r]
+    assert trained, "no step trained"
+    for r in trained:
+        assert r["actor/ppo_kl_first"] == 0.0
+        assert r["actor/grad_norm"] == r["actor/grad_norm"] and r["actor/grad_norm"] < 1e3
+    if "algo.preset=grpo" in overrides and len(overrides) == 1:
+        assert all(r["actor/kl_ref"] >= 0.0 for r in trained)  # GRPO keeps a KL-to-reference term
