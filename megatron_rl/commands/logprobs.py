@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-model", help="Hugging Face model directory (config.json + safetensors)")
-    source.add_argument("--checkpoint", help="Megatron distributed checkpoint written by `megatron-rl train`")
+    source.add_argument(
+        "--checkpoint",
+        help="Megatron distributed checkpoint written by `megatron-rl train` (a step_* directory, or the "
+        "checkpoints directory: its latest); loads into any --tp/--ep/--pp layout",
+    )
     parser.add_argument("--input", required=True, help="JSONL with input_ids and response_start per line")
     parser.add_argument("--output", required=True, help="JSONL to write (rank 0 writes it)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -95,6 +98,7 @@ def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_rl.megatron_backend import checkpoint
     from megatron_rl.megatron_backend.actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
@@ -102,14 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.megatron_backend.models import get_family
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
-    if args.checkpoint:
-        print(
-            "error: --checkpoint (Megatron distributed checkpoints) is not available yet; convert to HF and use "
-            "--hf-model",
-            file=sys.stderr,
-        )
-        return 2
-    hf = read_hf_config(args.hf_model)
+    hf = checkpoint.read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
     dims = get_family(hf).dims(hf)
     samples = read_samples(Path(args.input), dims.vocab_size)
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
@@ -122,12 +119,19 @@ def run(args: argparse.Namespace) -> int:
         num_query_groups=dims.num_query_groups,
     )
     try:
-        actor = MegatronActor.from_hf(
-            args.hf_model,
-            layout,
-            model_options=ModelOptions(dtype=args.dtype, routing_replay=True),
-            micro_batch_tokens=args.micro_batch_tokens,
-        )
+        options = ModelOptions(dtype=args.dtype, routing_replay=True)
+        if args.checkpoint:
+            actor = MegatronActor(hf, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens)
+            path = Path(args.checkpoint)
+            checkpoint.load_checkpoint(
+                actor,
+                path if (path / checkpoint.COMPLETE).is_file() else checkpoint.latest_checkpoint(path),
+                load_optimizer=False,
+            )
+        else:
+            actor = MegatronActor.from_hf(
+                args.hf_model, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens
+            )
         batch = to_batch(
             samples,
             with_routes=args.replay_routes,

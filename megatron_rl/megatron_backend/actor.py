@@ -101,7 +101,7 @@ class MegatronActor:
 
     def load_hf(self, model_dir: str | Path) -> None:
         hf = hf_weights.read_hf_config(model_dir)
-        _check_same_architecture(self.hf_config, hf, model_dir)
+        check_architecture(self.hf_config, hf, model_dir)
         hf_weights.load_hf_weights(self.modules, model_dir, self.family, self.hf_config)
         if self.optimizer is not None:
             self._reload_main_params()
@@ -472,7 +472,7 @@ class MegatronActor:
         return metrics
 
 
-def _check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:
+def check_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:
     keys = (
         "model_type",
         "vocab_size",
@@ -491,7 +491,8 @@ def _check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Pat
     for key in keys:
         if expected.get(key) != got.get(key):
             raise hf_weights.WeightMismatchError(
-                f"{where}: config.json has {key}={got.get(key)!r} but the model was built with {expected.get(key)!r}"
+                f"{where}: holds a model with {key}={got.get(key)!r} but the model was built with "
+                f"{key}={expected.get(key)!r}: it is a checkpoint of another architecture"
             )
 
 

@@ -5,6 +5,7 @@ Layout of `<dir>/`:
         megatron/             dist_checkpointing (torch_dist): model + optimizer, sharded per rank
         rng/rank_00003.pt     each rank's RNG states (CPU, CUDA, Megatron's tracker)
         trainer_state.json    step, scheduler, data position, anything the trainer passes in
+        hf_config.json        the architecture (HF config.json) the weights belong to
         COMPLETE              written last
     .tmp_step_000000030/      a save in progress (ignored, removed by the next save)
     latest                    name of the newest complete checkpoint, replaced atomically
@@ -28,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.actor import MegatronActor, check_architecture
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 COMPLETE = "COMPLETE"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not fit the model."""
 
 
@@ -72,6 +73,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and platform.device().type == "cuda":
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def read_checkpoint_hf_config(path: str | Path) -> dict:
+    """The HF config.json stored with a checkpoint (`path` is a checkpoint or a directory of them)."""
+    path = Path(path)
+    found = path if (path / COMPLETE).is_file() else latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no complete checkpoint at {path}")
+    config = found / "hf_config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{found} has no hf_config.json (written by an older version?)")
+    return json.loads(config.read_text())
 
 
 def _inner_optimizers(actor: MegatronActor) -> list:
@@ -150,6 +163,7 @@ def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_s
             "world_size": dist.get_world_size(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1, default=str))
+        (tmp / "hf_config.json").write_text(json.dumps(actor.hf_config, indent=1))
     dist.barrier()
     if rank == 0:
         (tmp / COMPLETE).write_text("ok\n")
@@ -170,6 +184,8 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     if not (path / COMPLETE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     saved = json.loads((path / "trainer_state.json").read_text())
+    if (path / "hf_config.json").is_file():
+        check_architecture(actor.hf_config, json.loads((path / "hf_config.json").read_text()), path)
     metadata = _sharding_metadata()
     state = _model_sharded_state_dict(actor, metadata)
     with_optimizer = load_optimizer and actor.optimizer is not None

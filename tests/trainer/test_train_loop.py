@@ -175,3 +175,28 @@ def test_loop_under_torchrun_matches_single_process(model_dir: Path, tmp_path: P
         assert abs(ra["actor/pg_loss"] - rb["actor/pg_loss"]) < 1e-5
         # 100 warm-up steps of TP=2's different reduction order leave ~1.4e-4 relative in the grad norm.
         assert abs(ra["actor/grad_norm"] - rb["actor/grad_norm"]) < 1e-3 * max(1.0, ra["actor/grad_norm"])
+
+
+def test_logprobs_from_training_checkpoint_in_other_layouts(model_dir: Path, tmp_path: Path) -> None:
+    """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote, at TP=1 and TP=2 alike."""
+    from tests.actor.hf_reference import make_samples
+
+    out = tmp_path / "run"
+    _train(out, model_dir, "trainer.steps=2", "warmup.sft_steps=20", "data.eval=null", "data.eval_every=0",
+           "logging.plot=false", "logging.wandb=false")  # fmt: skip
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(s) + "\n" for s in make_samples(vocab=128, n=3)))
+    scored = {}
+    for name, extra in {"tp1": [], "tp2": ["--tp", "2"]}.items():
+        dest = tmp_path / f"{name}.jsonl"
+        args = ["logprobs", "--checkpoint", str(out / "checkpoints"), "--input", str(inp), "--output", str(dest)]
+        run_torchrun(Path(__file__).parents[2] / "megatron_rl" / "cli.py", 1 if name == "tp1" else 2, args + extra)
+        scored[name] = [json.loads(line) for line in dest.read_text().splitlines()]
+    initial = tmp_path / "initial.jsonl"
+    subprocess.run([sys.executable, "-m", "megatron_rl.cli", "logprobs", "--hf-model", str(model_dir), "--input",
+                    str(inp), "--output", str(initial)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    base = [json.loads(line) for line in initial.read_text().splitlines()]
+    for a, b, c in zip(scored["tp1"], scored["tp2"], base, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["log_probs"], b["log_probs"], strict=True)) < 5e-6
+        assert a["routed_experts"] == b["routed_experts"]
+        assert max(abs(x - y) for x, y in zip(a["log_probs"], c["log_probs"], strict=True)) > 1e-3  # trained
