@@ -1,0 +1,103 @@
+"""Fused loss kernels: vocab-parallel token log-probs + entropy, and packed sequence-level GSPO.
+
+``token_logprobs_and_entropy`` dispatches between three implementations with identical semantics (those of
+``megatron_backend.vocab_parallel.token_logprobs_and_entropy``):
+
+* ``"torch"``: the reference (one MAX + one SUM all-reduce, ``[tokens, V_local]`` fp32 buffers);
+* ``"chunked"``: torch, a chunk of rows at a time, one all-gather (``chunked_logprob``); the CPU default;
+* ``"triton"``: fused Triton kernels, one all-gather (``triton_logprob``); the CUDA default.
+
+``impl="auto"`` picks ``"triton"`` for CUDA logits when triton imports, ``"chunked"`` otherwise. This is the one
+place that looks at the device. The Triton module is imported lazily: on CPU it needs ``TRITON_INTERPRET=1`` in
+the environment before that import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
+from megatron_rl.kernels.gspo import PackedPolicyLoss, packed_gspo_loss
+
+__all__ = ["Impl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_impl", "token_logprobs_and_entropy"]
+
+Impl = Literal["auto", "torch", "chunked", "triton"]
+_IMPLS = ("auto", "torch", "chunked", "triton")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (importing the kernels may still need a GPU or the interpreter)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: Impl, logits: Tensor) -> str:
+    """The concrete implementation ``impl`` stands for with these logits."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if logits.is_cuda and triton_available() else "chunked"
+    return impl
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: ProcessGroup | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    impl: Impl = "auto",
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)``, vocab split over ``tp_group``.
+
+    Arguments and results as in ``megatron_backend.vocab_parallel.token_logprobs_and_entropy`` (this rank's
+    contiguous shard ``[..., V_local]``; global ``targets``; fp32 outputs identical on every rank; gradient in the
+    logits' dtype), plus ``impl`` (see the module docstring) and ``chunk_rows`` (rows per chunk of the
+    ``"chunked"`` implementation; default: 2**24 elements per fp32 work buffer). ``-inf`` logits are allowed
+    (probability 0, zero gradient) in ``"chunked"`` and ``"triton"``.
+    """
+    chosen = resolve_impl(impl, logits)
+    if chosen == "torch":
+        from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy as reference
+
+        return reference(
+            logits, targets, tp_group=tp_group, vocab_start_index=vocab_start_index,
+            valid_vocab_size=valid_vocab_size, temperature=temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    if tp_group is not None:
+        derived_start = dist.get_rank(tp_group) * logits.shape[-1]
+        if vocab_start_index is not None and vocab_start_index != derived_start:
+            raise ValueError(
+                f"vocab_start_index={vocab_start_index} contradicts the rank in tp_group (expected {derived_start})"
+            )
+        vocab_start_index = derived_start
+    elif vocab_start_index is None:
+        vocab_start_index = 0
+    kwargs = {"tp_group": tp_group, "vocab_start_index": vocab_start_index, "valid_vocab_size": valid_vocab_size,
+              "temperature": float(temperature)}  # fmt: skip
+    if chosen == "triton":
+        from megatron_rl.kernels.triton_logprob import triton_logprobs_and_entropy
+
+        logprobs, entropy = triton_logprobs_and_entropy(logits, targets, **kwargs)
+    else:
+        logprobs, entropy = chunked_logprobs_and_entropy(logits, targets, chunk_rows=chunk_rows, **kwargs)
+    return logprobs, entropy if with_entropy else None

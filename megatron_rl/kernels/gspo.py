@@ -1,0 +1,160 @@
+"""Sequence-level GSPO loss on packed sequences, value and gradient in one pass.
+
+Packed layout: the tokens of ``n`` sequences are concatenated into 1-D tensors of length ``cu_seqlens[-1]``;
+sequence ``i`` owns ``[cu_seqlens[i], cu_seqlens[i+1])``. ``loss_mask`` marks the tokens that count (the
+response); the others get no loss and no gradient. With ``n_i`` valid tokens in sequence ``i``,
+``S = #{i : n_i > 0}`` and ``A`` the advantage (per sequence or per token)::
+
+    log s_i = clamp((1/n_i) sum_t (log pi_t - log pi_old_t), -20, 20)        s_i = exp(log s_i)
+    l_t     = max(-A_t s_i, -A_t clip(s_i, 1 - eps_low, 1 + eps_high))
+    loss    = (1/S) sum_i (1/n_i) sum_{t in i} l_t                            (seq-mean-token-mean)
+
+This is ``algorithms.policy_losses.policy_loss("gspo", ..., agg="seq-mean-token-mean")`` on the equivalent
+padded batch (arXiv 2507.18071 eq. 5-7). ``"gspo_token"`` (eq. 13-17) has the same value but routes the
+gradient per token: ``d l_t / d log pi_t = s_i * d l_t / d s``, which allows per-token advantages.
+
+The forward computes the analytic gradient with segment sums (``index_add_``) and saves only that ``[T]``
+vector; the backward scales it by the upstream gradient. Derivatives follow torch's conventions exactly so the
+result matches autograd through the oracle: ``clamp`` passes the gradient on its closed interval, and
+``maximum`` splits it evenly on ties (inside the clip range both branches are ``-A s``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from megatron_rl.algorithms.ratios import LOG_RATIO_BOUND
+
+__all__ = ["PackedPolicyLoss", "packed_gspo_loss"]
+
+Variant = Literal["gspo", "gspo_token"]
+
+
+class PackedPolicyLoss(NamedTuple):
+    """Scalar loss (differentiable w.r.t. ``log_probs``) and detached metrics."""
+
+    loss: Tensor
+    seq_ratio: Tensor  # [n] s_i
+    clip_frac_low: Tensor  # fraction of valid tokens with A < 0 and s_i < 1 - eps_low
+    clip_frac_high: Tensor  # fraction of valid tokens with A > 0 and s_i > 1 + eps_high
+
+
+def _forward_and_grad(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    cu_seqlens: Tensor,
+    loss_mask: Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    variant: Variant,
+) -> tuple[PackedPolicyLoss, Tensor]:
+    dtype = log_probs.dtype if log_probs.dtype in (torch.float32, torch.float64) else torch.float32
+    device = log_probs.device
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n_seq = lengths.numel()
+    seg = torch.repeat_interleave(torch.arange(n_seq, device=device), lengths, output_size=log_probs.numel())
+    mask = torch.ones_like(log_probs, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=device)
+
+    log_ratio = torch.where(mask, log_probs.to(dtype) - old_log_probs.to(dtype), zero)
+    adv = advantages.to(dtype)
+    adv = torch.where(mask, adv[seg] if adv.numel() == n_seq and adv.numel() != log_probs.numel() else adv, zero)
+
+    n_valid = torch.zeros(n_seq, dtype=dtype, device=device).index_add_(0, seg, mask.to(dtype))
+    count = n_valid.clamp(min=1)
+    seq_log_ratio = torch.zeros(n_seq, dtype=dtype, device=device).index_add_(0, seg, log_ratio) / count
+    seq_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    clamp_passes = (seq_log_ratio >= -LOG_RATIO_BOUND) & (seq_log_ratio <= LOG_RATIO_BOUND)
+
+    ratio = seq_ratio[seg]
+    low, high = 1 - clip_low, 1 + clip_high
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(low, high)
+    token_loss = torch.maximum(unclipped, clipped)
+    num_seqs = (n_valid > 0).sum().clamp(min=1).to(dtype)
+    weight = torch.where(mask, 1.0 / (count[seg] * num_seqs), zero)
+    loss = (weight * token_loss).sum()
+
+    # d l_t / d s: the winning branch's slope; on a tie, the mean of both (torch.maximum's convention).
+    in_range = ((ratio >= low) & (ratio <= high)).to(dtype)
+    slope = torch.where(unclipped > clipped, 1.0, torch.where(unclipped < clipped, in_range, 0.5 * (1 + in_range)))
+    grad_ratio = weight * (-adv) * slope  # d loss / d s_t
+    if variant == "gspo":
+        grad_seq = torch.zeros(n_seq, dtype=dtype, device=device).index_add_(0, seg, grad_ratio)
+        grad_seq = grad_seq * seq_ratio * clamp_passes / count
+        grad = torch.where(mask, grad_seq[seg], zero)
+    else:
+        grad = grad_ratio * ratio * clamp_passes[seg]
+
+    valid_tokens = mask.sum().clamp(min=1).to(dtype)
+    metrics = PackedPolicyLoss(
+        loss=loss,
+        seq_ratio=seq_ratio,
+        clip_frac_low=((adv < 0) & (ratio < low) & mask).sum().to(dtype) / valid_tokens,
+        clip_frac_high=((adv > 0) & (ratio > high) & mask).sum().to(dtype) / valid_tokens,
+    )
+    return metrics, grad
+
+
+class _PackedGSPO(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, log_probs: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        out, grad = _forward_and_grad(log_probs, *args)
+        ctx.save_for_backward(grad)
+        ctx.log_probs_dtype = log_probs.dtype
+        ctx.mark_non_differentiable(out.seq_ratio, out.clip_frac_low, out.clip_frac_high)
+        return tuple(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_loss: Tensor, *unused: Tensor) -> tuple:
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.log_probs_dtype), *([None] * 7)
+
+
+def packed_gspo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    cu_seqlens: Tensor,
+    loss_mask: Tensor | None = None,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    variant: Variant = "gspo",
+) -> PackedPolicyLoss:
+    """GSPO / GSPO-token loss (to minimise) of packed sequences; see the module docstring.
+
+    Args:
+        log_probs: ``[T]`` current-policy log-probs of the packed tokens (the only differentiable input).
+        old_log_probs: ``[T]`` behaviour-policy log-probs (treated as constants).
+        advantages: ``[n]`` per sequence or ``[T]`` per token (constants).
+        cu_seqlens: ``[n + 1]`` integer offsets, ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``.
+        loss_mask: ``[T]`` bool/0-1 mask of the tokens that count; ``None`` means all.
+        clip_low, clip_high: ``eps_low``, ``eps_high`` of the clip range ``[1 - eps_low, 1 + eps_high]``.
+        variant: ``"gspo"`` or ``"gspo_token"``.
+    """
+    if variant not in ("gspo", "gspo_token"):
+        raise ValueError(f"variant must be 'gspo' or 'gspo_token', got {variant!r}")
+    if log_probs.dim() != 1 or old_log_probs.shape != log_probs.shape:
+        raise ValueError(f"log_probs and old_log_probs must be the same 1-D shape, got {tuple(log_probs.shape)} "
+                         f"and {tuple(old_log_probs.shape)}")  # fmt: skip
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0:
+        raise ValueError("cu_seqlens must be a 1-D tensor of offsets starting at 0")
+    if int(cu_seqlens[-1]) != log_probs.numel():
+        raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of tokens {log_probs.numel()}")
+    n_seq = cu_seqlens.numel() - 1
+    if advantages.shape not in ((n_seq,), log_probs.shape):
+        raise ValueError(f"advantages must be [{n_seq}] or [{log_probs.numel()}], got {tuple(advantages.shape)}")
+    if loss_mask is not None and loss_mask.shape != log_probs.shape:
+        raise ValueError(f"loss_mask must be [{log_probs.numel()}], got {tuple(loss_mask.shape)}")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    outputs = _PackedGSPO.apply(
+        log_probs, old_log_probs.detach(), advantages.detach(), cu_seqlens, loss_mask, clip_low, clip_high, variant
+    )
+    return PackedPolicyLoss(*outputs)
