@@ -171,6 +171,8 @@ class SGLangConfig:
     )
     startup_timeout_s: float = setting(600.0, help="seconds to wait for servers to become healthy", gt=0)
     request_timeout_s: float = setting(1800.0, help="seconds one generate request may take", gt=0)
+    python: str = setting("python3", help="Python executable with sglang installed, used to launch the servers")
+    extra_args: tuple[str, ...] = setting((), help="further `sglang.launch_server` flags for launched servers")
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ class MegatronActor:
         self.optimizer = None
         self.scheduler = None
         self.step = 0
+        self.last_route_agreement = None  # RouteAgreement of the last replayed pass (routing.agreement)
         if optimizer_options is not None:
             self._setup_training(optimizer_options)
         self._tp_group = ps.get_tensor_model_parallel_group()
@@ -196,16 +197,25 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ forward/backward
     def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
-        """Micro-batches by token budget; under pipeline parallelism all get one fixed shape.
+        """Micro-batches by token budget, as many on every data-parallel rank; under pipeline parallelism
+        all get one fixed shape.
 
-        Megatron's variable-shape p2p path exchanges shapes with batched send/recv, which mis-pairs
-        messages when the previous and next stage are the same rank (PP=2); fixed shapes avoid it.
+        Expert-parallel all-to-alls span data-parallel ranks, so every rank must run the same number of
+        micro-batches (a rank with fewer samples gets dummy rows). Megatron's variable-shape p2p path
+        exchanges shapes with batched send/recv, which mis-pairs messages when the previous and next stage
+        are the same rank (PP=2); fixed shapes avoid it.
         """
+        from megatron.core import parallel_state as ps
+
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
         groups = split_by_token_budget(batch.lengths.tolist(), self.micro_batch_tokens)
+        count = torch.tensor([len(groups)])
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group)
+        groups = _regroup(groups, int(count))
         if self.layout.pp == 1:
-            return [batch.select(g, pad_to_multiple=multiple) for g in groups]
-        seq, rows = int(batch.lengths.max()), max(len(g) for g in groups)
+            return [batch.select(g, pad_to_multiple=multiple, rows=max(len(g), 1)) for g in groups]
+        seq, rows = int(batch.lengths.max()), max(max(len(g) for g in groups), 1)
         return [batch.select(g, pad_to_multiple=multiple, seq_len=seq, rows=rows) for g in groups]
 
     def _dp_shard(self, batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
@@ -227,11 +237,21 @@ class MegatronActor:
         replay_routes: bool = False,
     ) -> tuple[list, list[list[torch.Tensor]]]:
         """Run Megatron's schedule; with `record_routes` also return, per micro-batch, the recorded
-        top-k indices of this rank's MoE layers (in `self.routers.handles` order)."""
+        top-k indices of this rank's MoE layers (in `self.routers.handles` order).
+
+        With `replay_routes`, every router call is checked to route as replayed, each micro-batch's routes
+        must be consumed exactly once (`routing.replay.check_consumed`, else `RouteReplayError`), and the
+        agreement of the replayed routes with the current weights' natural routes is left in
+        `self.last_route_agreement`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_rl.megatron_backend.routes import ReplayMonitor
+        from megatron_rl.routing.replay import check_consumed
 
         recorded: list[list[list[torch.Tensor]]] = [[] for _ in self.chunks]  # [chunk][micro-batch][layer]
         chunk_of = {id(c): i for i, c in enumerate(self.chunks)}
+        monitor = ReplayMonitor(self.routers, self.dims.moe_layers, measure=True) if replay_routes else None
+        self.last_route_agreement = None
 
         def forward_step(data_iterator: Iterator[TokenBatch], model: nn.Module):
             mb = next(data_iterator)
@@ -239,7 +259,8 @@ class MegatronActor:
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             chunk = chunk_of[id(model)]
             if replay_routes:
-                self._set_replay_targets(mb, chunk)
+                valid = self._set_replay_targets(mb, chunk)
+                monitor.begin_micro_batch(chunk, valid)
                 self.routers.set_action("replay_forward", chunk=chunk)
             output = model(ids, pos, attention_mask=None)
             if replay_routes and not forward_only:
@@ -268,9 +289,16 @@ class MegatronActor:
                 forward_only=forward_only,
             )
         finally:
+            uses = monitor.uses() if monitor is not None else []
+            if monitor is not None:
+                monitor.remove()
             if record_routes or replay_routes:
                 self.routers.set_action(None)
                 self.routers.clear()
+        if monitor is not None:
+            recompute = self.model_options.recompute == "full" and not forward_only
+            check_consumed(uses, len(micro_batches), recompute=recompute)
+            self.last_route_agreement = self._reduce_agreement(monitor, len(micro_batches))
         per_micro_batch = (
             [[t for chunk in range(len(self.chunks)) for t in recorded[chunk][m]] for m in range(len(micro_batches))]
             if record_routes
@@ -278,17 +306,46 @@ class MegatronActor:
         )
         return outputs, per_micro_batch
 
-    def _set_replay_targets(self, mb: TokenBatch, chunk: int) -> None:
-        """Hand each router of `chunk` the experts to use for this micro-batch, in Megatron's token order.
+    def _positions(self, mb: TokenBatch, below_length: int) -> torch.Tensor:
+        """`[b, s]` bool: positions t < length + below_length of real (non-dummy) rows."""
+        b, s = mb.input_ids.shape
+        mask = torch.arange(s).unsqueeze(0) < (mb.lengths.unsqueeze(1) + below_length)
+        if mb.padding_rows:
+            mask[-mb.padding_rows :] = False
+        return mask
+
+    def _token_mask(self, mb: TokenBatch, *, real_routes: bool) -> torch.Tensor:
+        """This rank's tokens of `mb` in Megatron's order (`[s_local * b]`, s-major, SP slice): with
+        `real_routes` those with a route that matters (t < length - 1), else every real token (t < length)."""
+        from megatron.core import parallel_state as ps
+
+        mask = self._positions(mb, -1 if real_routes else 0)
+        if self.layout.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            mask = mask.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[ps.get_tensor_model_parallel_rank()]
+        return mask.transpose(0, 1).reshape(-1)
+
+    def _set_replay_targets(self, mb: TokenBatch, chunk: int) -> torch.Tensor:
+        """Hand each router of `chunk` the experts to use for this micro-batch, in Megatron's token order;
+        return which of those tokens carry real routes (`[s_local * b]` bool, same order).
 
         Megatron flattens hidden states `[s, b]` s-major; with sequence parallelism each tensor-parallel
-        rank holds a contiguous slice of the sequence.
+        rank holds a contiguous slice of the sequence. Real routes: positions t < length - 1 of real rows
+        (the last token has no route in SGLang's layout and feeds no log-prob). Rows with a repeated
+        expert (recorded padding reads 0) get experts 0..k-1: what a recording routes padding to, so a
+        replayed re-run of the recorded micro-batches is bitwise identical to the recording.
         """
         from megatron.core import parallel_state as ps
 
         routes = mb.routes  # [b, s, moe_layers, k]
+        b, s, _, k = routes.shape
+        valid = self._positions(mb, below_length=-1)
+        sorted_routes = routes.sort(-1).values
+        repeated = (sorted_routes[..., 1:] == sorted_routes[..., :-1]).any(-1, keepdim=True)
+        routes = torch.where(repeated, torch.arange(k, dtype=routes.dtype), routes)
         if self.layout.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            routes = routes.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[ps.get_tensor_model_parallel_rank()]
+            tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            routes = routes.chunk(tp, dim=1)[rank]
+            valid = valid.chunk(tp, dim=1)[rank]
         moe_layers = self.dims.moe_layers
         layers_of_chunk = {layer.layer_number - 1 for layer in self.modules[chunk].decoder.layers}
         for handle in self.routers.handles:
@@ -297,6 +354,27 @@ class MegatronActor:
             column = moe_layers.index(handle.global_layer)
             target = routes[:, :, column].transpose(0, 1).reshape(-1, routes.shape[-1]).long().to(platform.device())
             handle.router.router_replay.set_target_indices(target)
+        return valid.transpose(0, 1).reshape(-1)
+
+    def _reduce_agreement(self, monitor, micro_batches: int):
+        """Replayed-vs-natural route agreement over the whole step (all layers, stages and ranks)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.routing.agreement import AgreementCounts
+
+        chunks = sorted(monitor.disagree)
+        disagree = torch.cat([sum(monitor.disagree[c][m] for c in chunks) for m in range(micro_batches)])
+        valid = torch.cat([monitor.valid_of[chunks[0]][m] for m in range(micro_batches)])
+        per_layer = torch.cat([monitor.counts.matches, monitor.counts.slots])
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # same tokens, other layers on each stage
+            dist.all_reduce(disagree, group=self._pp_group)
+            dist.all_reduce(per_layer, group=self._pp_group)
+        tokens = torch.tensor([float(((disagree == 0) & valid).sum()), float(valid.sum())], dtype=torch.float64)
+        vec = torch.cat([per_layer, tokens])
+        dist.all_reduce(vec, group=self._dp_group)  # other samples
+        if self.layout.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(vec, group=self._tp_group)  # other sequence slices
+        return AgreementCounts.from_tensor(vec).result()
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """log p(ids[t] | ids[:t]) and entropy at positions 1..s-1 from vocab-parallel logits [b, s, V/tp]."""
@@ -355,9 +433,8 @@ class MegatronActor:
         if ent is not None:
             ent = _broadcast_from_last_stage(ent, self._pp_group)
         routes = self._assemble_routes(micro_batches, recorded, s) if record_routes else None
-        if routes is not None:  # padding positions carry whatever their micro-batch padding routed to
-            pad = ~(torch.arange(s).unsqueeze(0) < shard.lengths.unsqueeze(1))
-            routes[pad] = 0
+        # Padding positions keep the routes they were actually given: replaying them reproduces the
+        # recorded pass bitwise (expert GEMMs are not independent of the other tokens in the batch).
         valid = _positions_below(shard.lengths, s)
         logp = torch.where(valid, logp, 0.0)
         ent = None if ent is None else torch.where(valid, ent, 0.0)
@@ -409,7 +486,9 @@ class MegatronActor:
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this call's global batch); returns averaged metrics.
 
-        `replay_routes`: force `batch.routes` in the forward and in the activation-recompute forward.
+        `replay_routes`: force `batch.routes` in the forward and in the activation-recompute forward; the
+        metrics then include `routing/agreement`, `routing/token_all_layers_agree` and
+        `routing/layer_<i>_agreement` (replayed vs natural routes of the weights before this step).
         `lr`: use this learning rate for this step and leave the LR schedule where it is (warm-up stages).
         """
         for chunk in self.chunks:
@@ -428,6 +507,7 @@ class MegatronActor:
             return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
 
         outputs, _ = self._run(micro_batches, loss_func, forward_only=False, replay_routes=replay_routes)
+        agreement = self.last_route_agreement
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -442,6 +522,8 @@ class MegatronActor:
         metrics = self._reduce_metrics(outputs, grad_norm)
         if lr is not None:
             metrics["lr"] = lr
+        if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
+            metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))
         return metrics
 
     def _reduce_metrics(self, outputs: list, grad_norm: float | None) -> dict[str, float]:
@@ -494,6 +576,20 @@ def check_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> 
                 f"{where}: holds a model with {key}={got.get(key)!r} but the model was built with "
                 f"{key}={expected.get(key)!r}: it is a checkpoint of another architecture"
             )
+
+
+def _regroup(groups: list[list[int]], count: int) -> list[list[int]]:
+    """Split the largest groups until there are `count` (empty groups, padded with a dummy row, when
+    there are fewer samples than micro-batches)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[largest]) <= 1:
+            groups.append([])
+            continue
+        half = len(groups[largest]) // 2
+        groups[largest : largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return groups
 
 
 def _is_last_stage() -> bool:

@@ -54,7 +54,7 @@ class TokenBatch:
         missing rows are dummies with an empty response (`padding_rows` counts them).
         """
         idx = torch.tensor(index, dtype=torch.long)
-        seq = seq_len if seq_len is not None else int(self.lengths[idx].max())
+        seq = seq_len if seq_len is not None else (int(self.lengths[idx].max()) if index else 1)
         seq = -(-seq // pad_to_multiple) * pad_to_multiple
         extra = 0 if rows is None else rows - len(index)
         if extra < 0:

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
+from megatron_rl.routing.compat import refuse_unsafe_replay_options
 
 if TYPE_CHECKING:
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
@@ -89,7 +90,9 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
         kwargs.update(recompute_granularity=options.recompute)
         if options.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    refuse_unsafe_replay_options(config)
+    return config
 
 
 def build_model(hf: HFConfig, layout: ParallelLayout, options: ModelOptions) -> tuple[list[nn.Module], object]:

@@ -83,3 +83,106 @@ class MoERouters:
     def clear(self) -> None:
         for h in self.handles:
             h.router.router_replay.clear_indices()
+
+
+class ReplayMonitor:
+    """Forward hooks on one model's routers while routes are replayed.
+
+    For every router call it checks that the routing Megatron used (`routing_map`) is the replayed one
+    (the target in forward; in activation recompute, the routing that forward used), counts forwards
+    and recomputes for the exactly-once check, and, with `measure`, compares the replayed routes with
+    the routes the current weights would choose naturally (top-k of the router's own logits, recomputed
+    under no_grad from the router's input: one small matmul per MoE layer).
+    """
+
+    def __init__(self, routers: MoERouters, moe_layers: list[int], *, measure: bool):
+        from megatron_rl.routing.agreement import AgreementCounts
+
+        self.routers, self.moe_layers, self.measure = routers, moe_layers, measure
+        self.valid: torch.Tensor | None = None  # [tokens_local] bool for the micro-batch being run
+        self.disagree: dict[int, list[torch.Tensor]] = {}  # chunk -> per micro-batch [tokens_local] counts
+        self.valid_of: dict[int, list[torch.Tensor]] = {}
+        self.counts = AgreementCounts.zeros(len(moe_layers))
+        self._forwards = {h.global_layer: 0 for h in routers.handles}
+        self._recomputes = dict.fromkeys(self._forwards, 0)
+        self._mismatched = dict.fromkeys(self._forwards, 0)
+        self._used: dict[int, list[torch.Tensor]] = {layer: [] for layer in self._forwards}
+        self._hooks = [h.router.register_forward_hook(self._hook(h)) for h in routers.handles]
+
+    def begin_micro_batch(self, chunk: int, valid: torch.Tensor) -> None:
+        """Called before each replayed forward of model chunk `chunk` with its tokens' validity (Megatron order)."""
+        self.valid = valid.reshape(-1).bool()
+        self.valid_of.setdefault(chunk, []).append(self.valid)
+        self.disagree.setdefault(chunk, []).append(torch.zeros(self.valid.numel(), dtype=torch.int32))
+
+    def _hook(self, handle: RouterHandle):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def hook(router: nn.Module, inputs: tuple, output: tuple) -> None:
+            replay = router.router_replay
+            action = replay.router_replay_action
+            if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+                return
+            with torch.no_grad():
+                routing_map = output[1]
+                used = routing_map.float().topk(router.topk, dim=-1).indices.sort(-1).values.cpu()
+                layer = handle.global_layer
+                if action == RouterReplayAction.REPLAY_BACKWARD:
+                    self._recomputes[layer] += 1
+                    expected = self._used[layer].pop(0) if self._used[layer] else None
+                    if expected is None or not torch.equal(expected, used):
+                        self._mismatched[layer] += 1
+                    return
+                self._forwards[layer] += 1
+                target = replay.target_topk_idx.sort(-1).values.cpu()
+                valid = self.valid if self.valid is not None else torch.ones(target.shape[0], dtype=torch.bool)
+                ok = torch.equal(target[valid], used[valid])
+                self._mismatched[layer] += 0 if ok else 1
+                self._used[layer].append(used)
+                if self.measure:
+                    self._measure(router, handle, inputs[0], target)
+
+        return hook
+
+    def _measure(self, router: nn.Module, handle: RouterHandle, hidden: torch.Tensor, replayed: torch.Tensor) -> None:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        from megatron_rl.routing.agreement import slot_matches
+
+        logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
+        _, natural_map = topk_routing_with_score_function(
+            logits,
+            router.topk,
+            use_pre_softmax=router.config.moe_router_pre_softmax,
+            num_groups=router.config.moe_router_num_groups,
+            group_topk=router.config.moe_router_group_topk,
+            scaling_factor=router.config.moe_router_topk_scaling_factor,
+            score_function=router.score_function,
+            expert_bias=router.expert_bias,
+        )
+        natural = natural_map.float().topk(router.topk, dim=-1).indices.cpu()
+        matches = slot_matches(replayed, natural)  # [tokens_local]
+        valid = self.valid
+        column = self.moe_layers.index(handle.global_layer)
+        self.counts.matches[column] += float(matches[valid].sum())
+        self.counts.slots[column] += float(valid.sum()) * router.topk
+        self.disagree[handle.chunk][-1] += (matches != router.topk).to(torch.int32)
+
+    def uses(self) -> list:
+        from megatron_rl.routing.replay import RouterUse
+
+        return [
+            RouterUse(
+                h.global_layer,
+                self._forwards[h.global_layer],
+                self._recomputes[h.global_layer],
+                len(h.router.router_replay.replay_backward_list),
+                self._mismatched[h.global_layer],
+            )
+            for h in self.routers.handles
+        ]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

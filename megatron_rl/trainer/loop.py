@@ -26,6 +26,7 @@ from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models import get_family
 from megatron_rl.megatron_backend.reference import reference_from_hf
+from megatron_rl.routing.agreement import mean_route_metrics
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
 from megatron_rl.trainer.run_log import RunLog
@@ -52,6 +53,7 @@ def train(cfg: RLConfig) -> TrainResult:
         num_query_groups=dims.num_query_groups,
     )
     rank0 = dist.get_rank() == 0
+    engine = None
     try:
         tokenizer = load_tokenizer(cfg, dims.vocab_size)
         torch.manual_seed(cfg.trainer.seed)
@@ -111,6 +113,8 @@ def train(cfg: RLConfig) -> TrainResult:
         plots = log.close() if log is not None else []
         return TrainResult(output_dir, log.history if log is not None else [], plots)
     finally:
+        if engine is not None:
+            engine.shutdown()
         shutdown()
 
 
@@ -145,8 +149,11 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
     entropy = torch.zeros_like(batch.fields["loss_mask"])
     if r2:
         batch.routes = None
+    rollout_routing = []  # R3: the rollout engine's routes vs the routes the trainer's weights choose
     for part in epochs[0]:
         scored = actor.compute_log_probs(select(batch, part), with_entropy=True, record_routes=r2, replay_routes=r3)
+        if r3 and actor.last_route_agreement is not None:
+            rollout_routing.append(actor.last_route_agreement.as_metrics("routing/rollout_", actor.dims.moe_layers))
         batch.fields["old_log_probs"][part] = scored.log_probs
         entropy[part] = scored.entropy
         if r2:
@@ -168,7 +175,11 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
         for parts in epochs
         for part in parts
     ]
+    # Replayed routes vs the routes each update's weights would choose (routing.agreement), mean over updates.
+    routing = [{k: u.pop(k) for k in list(u) if k.startswith("routing/")} for u in updates]
     metrics.update(_mean_metrics(updates))
+    if algo.routing_replay != "off":
+        metrics.update(mean_route_metrics(routing + rollout_routing))
     metrics["actor/ppo_kl_first"] = updates[0].get("actor/ppo_kl", 0.0)
     metrics["actor/grad_norm"] = updates[-1]["grad_norm"]
     metrics["actor/lr"] = updates[-1]["lr"]
@@ -334,11 +345,36 @@ def load_tokenizer(cfg: RLConfig, model_vocab: int):
 
 
 def build_engine(cfg: RLConfig, model_dir: Path):
-    if cfg.rollout.engine != "local":
-        raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'local'")
-    from megatron_rl.rollout.local_engine import LocalEngine
+    """The rollout engine: in-process transformers (`local`) or SGLang servers (connected to or launched)."""
+    if cfg.rollout.engine == "local":
+        from megatron_rl.rollout.local_engine import LocalEngine
 
-    return LocalEngine(model_dir, weight_version="step-0")
+        return LocalEngine(model_dir, weight_version="step-0")
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+
+    sg = cfg.rollout.sglang
+    if sg.urls:
+        servers = SGLangServers.connect(list(sg.urls))
+    else:
+        flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
+        flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+        if cfg.algo.routing_replay == "R3":
+            flags.append("--enable-return-routed-experts")
+        servers = SGLangServers.launch(
+            SGLangLaunchConfig(
+                model_path=str(model_dir),
+                python=sg.python,
+                num_servers=sg.num_servers,
+                ports=tuple(sg.base_port + i for i in range(sg.num_servers)),
+                extra_args=(*flags, *sg.extra_args),
+                log_dir=str(Path(cfg.trainer.output_dir) / "sglang_logs"),
+                startup_timeout_s=sg.startup_timeout_s,
+                router=sg.router,
+                router_policy=sg.router_policy,
+            )
+        )
+    return SGLangEngine(servers, weight_sync=cfg.rollout.weight_sync, request_timeout_s=sg.request_timeout_s)
 
 
 class PromptData:

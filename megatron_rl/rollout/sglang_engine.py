@@ -1,0 +1,252 @@
+"""`SGLangEngine`: rollout on SGLang 0.5.23 servers over their native HTTP API (reference/sglang.md §3).
+
+- generate: one `/generate` request per prompt with `input_ids`, `sampling_params.n`, `return_logprob` and
+  (optionally) `return_routed_experts`, sent concurrently; prompts go round-robin to the servers (or all to the
+  router when there is one). SGLang batches concurrent requests itself. Samples come back grouped prompt by
+  prompt. The stop token is kept in `response_ids` (SGLang includes it in `output_ids`).
+- log-probs: SGLang's `output_token_logprobs` (temperature-scaled unless `SGLANG_RETURN_ORIGINAL_LOGPROB`).
+- routed experts: `meta_info.routed_experts`, base64 little-endian int32 `[prompt+response-1, layers, top_k]`,
+  stored as uint8 (<= 256 experts) or int16.
+- pause/resume/abort go to every server directly (the router does not proxy them).
+- update_weights: delegated to a `weight_sync` strategy (tensor / distributed / disk).
+- errors: a dead server or a request that hangs raises `SGLangServerError` within `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
+from megatron_rl.rollout.sample import FinishReason, Sample
+from megatron_rl.rollout.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
+from megatron_rl.rollout.weight_sync import SyncReport, WeightSync, make_weight_sync
+
+logger = logging.getLogger(__name__)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SGLangEngine:
+    """Implements `RolloutEngine` on one or more SGLang servers."""
+
+    def __init__(
+        self,
+        servers: SGLangServers | list[str],
+        *,
+        weight_sync: WeightSync | str = "tensor",
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        pause_mode: str = "retract",
+        max_concurrent_requests: int = 256,
+        routed_experts_shape: tuple[int, int] | None = None,
+        num_experts: int | None = None,
+        stop_on_eos: bool = True,
+        extra_sampling_params: dict[str, Any] | None = None,
+    ):
+        """`servers`: launched/connected `SGLangServers` or plain URLs.
+
+        `weight_sync`: "tensor" | "distributed" | "disk" or a configured strategy (see `weight_sync.py`).
+        `request_timeout_s`: longest a /generate request may take; `control_timeout_s`: other endpoints.
+        `pause_mode`: SGLang's /pause_generation mode ("retract" keeps requests and allows /flush_cache).
+        `routed_experts_shape`: (layers, top_k) of the routed-experts rows; read from the served model's
+        config.json (via /model_info) when None. `num_experts` picks the storage dtype (read likewise).
+        `stop_on_eos`: also stop at the model's EOS (SGLang's `ignore_eos=false`), as `LocalEngine`.
+        `extra_sampling_params`: further SGLang sampling keys sent with every request (e.g. `min_new_tokens`).
+        """
+        self.servers = servers if isinstance(servers, SGLangServers) else SGLangServers.connect(list(servers))
+        self.weight_sync = make_weight_sync(weight_sync) if isinstance(weight_sync, str) else weight_sync
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.pause_mode = pause_mode
+        self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="sglang")
+        self._next_server = itertools.count()
+        self._routed_shape = routed_experts_shape
+        self._num_experts = num_experts
+        self._extra_sampling = {**(extra_sampling_params or {}), **({} if stop_on_eos else {"ignore_eos": True})}
+        self._version = self._read_version()
+        self.last_sync: SyncReport | None = None
+        self.generated_tokens = 0  # running count, for throughput metrics
+
+    @property
+    def urls(self) -> list[str]:
+        return self.servers.urls
+
+    # ------------------------------------------------------------------ RolloutEngine
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, return_routed_experts: bool = False
+    ) -> list[Sample]:
+        """`n` samples per prompt, grouped prompt by prompt (sample i*n+j is prompt i's j-th)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if return_routed_experts:
+            self._routed_experts_layout()  # fail before sending anything
+        futures = [
+            self._pool.submit(self._generate_one, list(prompt), params, n, return_routed_experts, i)
+            for i, prompt in enumerate(prompts)
+        ]
+        samples: list[Sample] = []
+        errors: list[BaseException] = []
+        for fut in futures:
+            try:
+                samples.extend(fut.result())
+            except BaseException as err:  # collect, so no request is left running unobserved
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        self.generated_tokens += sum(len(s.response_ids) for s in samples)
+        return samples
+
+    def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
+        """Stream HF-named full tensors to every server with the configured path; later samples carry `version`."""
+        self.last_sync = self.weight_sync.update(self.urls, buckets, version, timeout_s=self.request_timeout_s)
+        self._version = version
+        logger.info("weights %s: %s", version, self.last_sync)
+
+    def pause(self) -> None:
+        """Stop scheduling on every server (`/pause_generation`, mode `pause_mode`) until `resume()`."""
+        self._broadcast("/pause_generation", {"mode": self.pause_mode})
+
+    def resume(self) -> None:
+        self._broadcast("/continue_generation", {})
+
+    def abort(self) -> None:
+        """Abort every request on every server; in-flight generate calls return samples with finish "abort"."""
+        self._broadcast("/abort_request", {"abort_all": True})
+
+    def healthy(self) -> bool:
+        return all(is_healthy(url, timeout_s=self.control_timeout_s) for url in self.urls)
+
+    def shutdown(self) -> None:
+        """Stop the servers launched by this process (connected servers keep running)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.servers.config is not None:
+            self.servers.stop()
+
+    # ------------------------------------------------------------------ extras
+    def score(self, token_ids: list[int], server: int = 0) -> list[float]:
+        """Teacher-forced log-probs of `token_ids[1:]` under the served weights (a probe for weight sync)."""
+        body = {
+            "input_ids": token_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        out = request_json(self.urls[server], "/generate", body, timeout_s=self.request_timeout_s)
+        return [float(lp) for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+
+    def flush_cache(self) -> None:
+        self._broadcast("/flush_cache", {})
+
+    # ------------------------------------------------------------------ internals
+    def _generate_one(
+        self, prompt: list[int], params: SamplingParams, n: int, want_routes: bool, group: int
+    ) -> list[Sample]:
+        url = self.servers.router_url or self.urls[next(self._next_server) % len(self.urls)]
+        body: dict[str, Any] = {
+            "input_ids": prompt,
+            "sampling_params": {**sampling_params_json(params, n), **self._extra_sampling},
+            "return_logprob": True,
+        }
+        if want_routes:
+            body["return_routed_experts"] = True
+        out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s)
+        items = out if isinstance(out, list) else [out]
+        if len(items) != n:
+            raise SGLangServerError(f"SGLang {url}/generate returned {len(items)} outputs for n={n}")
+        return [self._to_sample(prompt, item, group, want_routes) for item in items]
+
+    def _to_sample(self, prompt: list[int], item: dict, group: int, want_routes: bool) -> Sample:
+        meta = item["meta_info"]
+        response = [int(t) for t in item["output_ids"]]
+        log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(log_probs) != len(response):  # an abort can cut the two lists at different points
+            keep = min(len(log_probs), len(response))
+            response, log_probs = response[:keep], log_probs[:keep]
+        finish = meta.get("finish_reason") or {"type": "abort"}
+        reason = _FINISH.get(finish.get("type"))
+        if reason is None:
+            raise SGLangServerError(f"unknown SGLang finish_reason {finish}")
+        metadata: dict[str, Any] = {}
+        spans = meta.get("weight_versions") or []
+        if len(spans) > 1:
+            metadata["weight_versions"] = [(s["version"], s["start"], s["end"]) for s in spans]
+        routed = None
+        if want_routes and meta.get("routed_experts"):
+            routed = self._decode_routes(meta["routed_experts"], len(prompt) + len(response) - 1)
+        return Sample(
+            prompt_ids=prompt,
+            response_ids=response,
+            response_log_probs=log_probs,
+            finish_reason=reason,
+            weight_version=str(meta.get("weight_version", self._version)),
+            group_index=group,
+            routed_experts=routed,
+            metadata=metadata,
+        )
+
+    def _decode_routes(self, encoded: str, rows: int) -> np.ndarray:
+        layers, top_k, num_experts = self._routed_experts_layout()
+        flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+        routes = flat.reshape(-1, layers, top_k)
+        if routes.shape[0] < rows:
+            raise SGLangServerError(f"SGLang returned routed experts for {routes.shape[0]} positions, expected {rows}")
+        return routes[:rows].astype(np.uint8 if num_experts <= 256 else np.int16)
+
+    def _routed_experts_layout(self) -> tuple[int, int, int]:
+        if self._routed_shape is None or self._num_experts is None:
+            info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s)
+            config_path = Path(info["model_path"]) / "config.json"
+            if not config_path.exists():
+                raise ValueError(
+                    f"cannot read {config_path} to learn the routed-experts layout; pass routed_experts_shape= "
+                    "and num_experts= to SGLangEngine"
+                )
+            config = json.loads(config_path.read_text())
+            self._routed_shape = self._routed_shape or (
+                int(config["num_hidden_layers"]),
+                int(config["num_experts_per_tok"]),
+            )
+            self._num_experts = self._num_experts or int(config.get("num_experts") or config["num_local_experts"])
+        return (*self._routed_shape, self._num_experts)
+
+    def _read_version(self) -> str:
+        try:
+            return str(request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s)["weight_version"])
+        except (SGLangServerError, KeyError, TypeError):
+            return "default"
+
+    def _broadcast(self, path: str, body: dict) -> None:
+        futures = [self._pool.submit(request_json, u, path, body, timeout_s=self.control_timeout_s) for u in self.urls]
+        for fut in futures:
+            fut.result()
+
+
+def sampling_params_json(params: SamplingParams, n: int = 1) -> dict[str, Any]:
+    """The `sampling_params` object of a /generate body (only keys SGLang 0.5.23 accepts: unknown ones are 400)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "n": n,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out

@@ -1,0 +1,98 @@
+"""Host-side cache of per-sample routes for R2/R3, in SGLang's layout.
+
+A sample of `n` tokens has routes `[n - 1, moe_layers, top_k]`: row t holds the experts the token at
+position t was routed to (the last token is never fed to the model, so it has no row). Indices are
+stored in the smallest dtype that holds every expert id (uint8 up to 256 experts, int16 beyond), on
+the host, one array per sample, and each data-parallel rank keeps only the samples it trains on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def routes_dtype(num_experts: int) -> torch.dtype:
+    """uint8 when every expert id fits (<= 256 experts), else int16 (<= 32768 experts)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"{num_experts} experts do not fit int16 expert ids")
+
+
+@dataclass(frozen=True)
+class RouteFootprint:
+    bytes_per_token: int
+    tokens: int
+    sample_bytes: int  # (tokens - 1) rows: SGLang's layout has no row for the last token
+    dtype: torch.dtype
+
+
+def route_footprint(moe_layers: int, top_k: int, num_experts: int, tokens: int) -> RouteFootprint:
+    """Host bytes of one cached sample of `tokens` tokens."""
+    dtype = routes_dtype(num_experts)
+    per_token = moe_layers * top_k * torch.empty((), dtype=dtype).element_size()
+    return RouteFootprint(per_token, tokens, per_token * max(tokens - 1, 0), dtype)
+
+
+def dp_shard_indices(num_samples: int, dp_rank: int, dp_size: int) -> list[int]:
+    """The samples data-parallel rank `dp_rank` trains on: rows r, r + dp, r + 2dp, ... (the actor's split)."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+    return list(range(dp_rank, num_samples, dp_size))
+
+
+class RouteCache:
+    """Routes per sample (key = position in the step's batch, or any hashable id), compact, on the host."""
+
+    def __init__(self, moe_layers: int, top_k: int, num_experts: int):
+        self.moe_layers, self.top_k, self.num_experts = moe_layers, top_k, num_experts
+        self.dtype = routes_dtype(num_experts)
+        self._routes: dict[object, torch.Tensor] = {}
+
+    def put(self, key: object, routes: torch.Tensor | np.ndarray, *, num_tokens: int) -> None:
+        """Store `routes` `[num_tokens - 1, moe_layers, top_k]` for the sample `key` of `num_tokens` tokens.
+
+        The row count is checked against the token count: an off-by-one between the engine's layout
+        and ours is an error, not a silent shift."""
+        routes = torch.as_tensor(np.asarray(routes)) if not torch.is_tensor(routes) else routes
+        expected = (num_tokens - 1, self.moe_layers, self.top_k)
+        if tuple(routes.shape) != expected:
+            raise ValueError(
+                f"sample {key!r}: routes of shape {tuple(routes.shape)} for {num_tokens} tokens; expected "
+                f"{expected} (one row per token but the last, SGLang's routed_experts layout)"
+            )
+        if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= self.num_experts):
+            raise ValueError(f"sample {key!r}: expert ids outside [0, {self.num_experts})")
+        self._routes[key] = routes.to(self.dtype).cpu().contiguous()
+
+    def get(self, key: object) -> torch.Tensor:
+        return self._routes[key]
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._routes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._routes.values())
+
+    def keep_shard(self, keys: list, dp_rank: int, dp_size: int) -> None:
+        """Drop every sample but this data-parallel rank's share of `keys` (in batch order)."""
+        mine = {keys[i] for i in dp_shard_indices(len(keys), dp_rank, dp_size)}
+        self._routes = {k: v for k, v in self._routes.items() if k in mine}
+
+    def batch_routes(self, keys: list, seq_len: int) -> torch.Tensor:
+        """`[len(keys), seq_len, moe_layers, top_k]` for `TokenBatch.routes`: each sample's rows, then dummy
+        experts `0..k-1` for its last token and padding (never reaching a log-prob)."""
+        out = torch.arange(self.top_k, dtype=self.dtype).expand(len(keys), seq_len, self.moe_layers, self.top_k)
+        out = out.clone()
+        for i, key in enumerate(keys):
+            routes = self._routes[key]
+            out[i, : routes.shape[0]] = routes
+        return out

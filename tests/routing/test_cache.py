@@ -1,0 +1,48 @@
+"""Route cache: dtype, footprint arithmetic, SGLang-layout alignment, data-parallel sharding."""
+
+import pytest
+import torch
+
+from megatron_rl.routing.cache import RouteCache, dp_shard_indices, route_footprint, routes_dtype
+
+
+def test_dtype_by_expert_count() -> None:
+    assert routes_dtype(128) == torch.uint8
+    assert routes_dtype(256) == torch.uint8
+    assert routes_dtype(257) == torch.int16
+    with pytest.raises(ValueError):
+        routes_dtype(40000)
+
+
+def test_footprint_of_32k_sample_48_layers_top8_128_experts() -> None:
+    f = route_footprint(moe_layers=48, top_k=8, num_experts=128, tokens=32768)
+    assert f.dtype == torch.uint8
+    assert f.bytes_per_token == 48 * 8 == 384
+    assert f.sample_bytes == 384 * 32767 == 12_582_528  # ~12.0 MiB; SGLang's int32 would be 4x (48 MiB)
+    assert route_footprint(48, 8, 512, 32768).sample_bytes == 2 * 12_582_528
+
+
+def test_cache_checks_alignment_and_pads_batches() -> None:
+    cache = RouteCache(moe_layers=2, top_k=2, num_experts=8)
+    cache.put("a", torch.tensor([[[1, 2], [3, 4]]] * 4), num_tokens=5)
+    with pytest.raises(ValueError, match="expected \\(5, 2, 2\\)"):  # off by one: a row for the last token
+        cache.put("b", torch.zeros(6, 2, 2, dtype=torch.int32), num_tokens=6)
+    with pytest.raises(ValueError, match="expert ids"):
+        cache.put("c", torch.full((2, 2, 2), 8), num_tokens=3)
+    assert cache.get("a").dtype == torch.uint8
+    assert cache.nbytes == 4 * 2 * 2
+    routes = cache.batch_routes(["a"], seq_len=7)
+    assert routes.shape == (1, 7, 2, 2)
+    assert routes[0, :4].tolist() == [[[1, 2], [3, 4]]] * 4
+    assert routes[0, 4:].tolist() == [[[0, 1], [0, 1]]] * 3  # last token and padding: distinct dummies
+
+
+def test_dp_sharding_keeps_own_samples() -> None:
+    assert dp_shard_indices(7, 0, 2) == [0, 2, 4, 6]
+    assert dp_shard_indices(7, 1, 2) == [1, 3, 5]
+    cache = RouteCache(1, 1, 4)
+    keys = [f"s{i}" for i in range(5)]
+    for k in keys:
+        cache.put(k, torch.zeros(2, 1, 1), num_tokens=3)
+    cache.keep_shard(keys, dp_rank=1, dp_size=2)
+    assert sorted(k for k in keys if k in cache) == ["s1", "s3"]

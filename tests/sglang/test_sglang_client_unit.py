@@ -1,0 +1,117 @@
+"""The SGLang client without SGLang: canned /generate answers, a dead port and a hanging server (runs everywhere)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang_engine import SGLangEngine, sampling_params_json
+from megatron_rl.rollout.sglang_server import SGLangServerError, free_port
+from megatron_rl.rollout.weight_sync import serialize_bucket, split_expert_buckets
+
+
+def _item(prompt_len: int, out: list[int], finish: dict, routes: np.ndarray | None) -> dict:
+    meta = {
+        "finish_reason": finish,
+        "weight_version": "v7",
+        "output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(out)],
+    }
+    if routes is not None:
+        meta["routed_experts"] = base64.b64encode(routes.astype("<i4").tobytes()).decode()
+    return {"output_ids": out, "meta_info": meta}
+
+
+class _Fake(BaseHTTPRequestHandler):
+    hang = False
+    bodies: list[dict] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, obj) -> None:
+        raw = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self) -> None:
+        self._send({"model_path": "/nonexistent", "weight_version": "v7"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.hang:
+            time.sleep(5)
+            return
+        type(self).bodies.append(body)
+        prompt, n = body["input_ids"], body["sampling_params"]["n"]
+        routes = (
+            np.arange((len(prompt) + 1) * 2 * 2).reshape(-1, 2, 2) % 8 if body.get("return_routed_experts") else None
+        )
+        finishes = [{"type": "stop", "matched": 2}, {"type": "length", "length": 2}, {"type": "abort", "message": "x"}]
+        self._send([_item(len(prompt), [5, 2], finishes[j % 3], routes) for j in range(n)])
+
+
+@pytest.fixture
+def fake_url():
+    _Fake.hang, _Fake.bodies = False, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_generate_decodes_contract(fake_url):
+    engine = SGLangEngine([fake_url], routed_experts_shape=(2, 2), num_experts=8)
+    assert engine.weight_version == "v7"
+    params = SamplingParams(max_new_tokens=2, temperature=0.7, stop_token_ids=(9,), seed=3)
+    samples = engine.generate([[1, 2, 3], [4]], params, n=3, return_routed_experts=True)
+    assert [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1]
+    assert [s.finish_reason for s in samples[:3]] == ["stop", "length", "abort"]
+    assert samples[0].response_ids == [5, 2] and samples[0].response_log_probs == [-0.5, -1.5]
+    assert samples[0].routed_experts.dtype == np.uint8 and samples[0].routed_experts.shape == (4, 2, 2)
+    assert samples[3].routed_experts.shape == (2, 2, 2)
+    sent = _Fake.bodies[0]["sampling_params"]
+    assert sent == sampling_params_json(params, 3)
+    assert sent["sampling_seed"] == 3 and sent["stop_token_ids"] == [9] and "seed" not in sent
+
+
+def test_dead_server_clear_error_fast():
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = SGLangEngine([url], request_timeout_s=30, control_timeout_s=2)
+    start = time.perf_counter()
+    with pytest.raises(SGLangServerError, match="unreachable"):
+        engine.generate([[1]], SamplingParams())
+    assert time.perf_counter() - start < 5
+    assert not engine.healthy()
+
+
+def test_hanging_request_times_out(fake_url):
+    engine = SGLangEngine([fake_url], request_timeout_s=1, control_timeout_s=1)
+    _Fake.hang = True
+    start = time.perf_counter()
+    with pytest.raises(SGLangServerError, match="did not answer within 1 s"):
+        engine.generate([[1]], SamplingParams())
+    assert time.perf_counter() - start < 4
+
+
+def test_bucket_helpers():
+    import pickle
+
+    import torch
+
+    bucket = [("model.layers.0.mlp.experts.0.up_proj.weight", torch.ones(2)), ("model.norm.weight", torch.zeros(3))]
+    parts = list(split_expert_buckets([bucket]))
+    assert [[n for n, _ in b] for b in parts] == [
+        ["model.norm.weight"],
+        ["model.layers.0.mlp.experts.0.up_proj.weight"],
+    ]
+    (name, t), _ = pickle.loads(base64.b64decode(serialize_bucket(bucket)))
+    assert name == bucket[0][0] and torch.equal(t, bucket[0][1])
