@@ -50,7 +50,7 @@ def _train(out: Path, model_dir: Path, url: str, *overrides: str) -> list[dict]:
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
         f"model.hf_path={model_dir}", "rollout.engine=sglang", f"rollout.sglang.urls=[{url}]",
-        "rollout.weight_sync=tensor", "trainer.colocate=true", "warmup.sft_steps=100", "warmup.sft_batch_size=32",
+        "warmup.sft_steps=100", "warmup.sft_batch_size=32",
         "warmup.sft_lr=2e-3", "optimizer.lr=1e-4", "trainer.steps=3", "data.eval=null", "data.eval_every=0",
         "trainer.save_every=0", "logging.wandb=false", "logging.plot=false", *overrides,
     ]  # fmt: skip
@@ -59,9 +59,14 @@ def _train(out: Path, model_dir: Path, url: str, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "sync", [("rollout.weight_sync=tensor", "trainer.colocate=true"),
+             ("rollout.weight_sync=distributed", "trainer.colocate=false")],
+    ids=["colocated-tensor", "disaggregated-broadcast"],
+)  # fmt: skip
+def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path, sync: tuple[str, str]) -> None:
     with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
-        history = _train(tmp_path / "run", model_dir, servers.urls[0])
+        history = _train(tmp_path / "run", model_dir, servers.urls[0], *sync)
     assert len(history) == 3
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0
