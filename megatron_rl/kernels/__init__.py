@@ -1,7 +1,7 @@
 """Fused loss kernels: vocab-parallel token log-probs + entropy, and packed sequence-level GSPO.
 
 ``token_logprobs_and_entropy`` dispatches between three implementations with identical semantics (those of
-``megatron_backend.vocab_parallel.token_logprobs_and_entropy``):
+``kernels.reference_logprob.token_logprobs_and_entropy``):
 
 * ``"torch"``: the reference (one MAX + one SUM all-reduce, ``[tokens, V_local]`` fp32 buffers);
 * ``"chunked"``: torch, a chunk of rows at a time, one all-gather (``chunked_logprob``); the CPU default;
@@ -59,7 +59,7 @@ def token_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)``, vocab split over ``tp_group``.
 
-    Arguments and results as in ``megatron_backend.vocab_parallel.token_logprobs_and_entropy`` (this rank's
+    Arguments and results as in ``kernels.reference_logprob.token_logprobs_and_entropy`` (this rank's
     contiguous shard ``[..., V_local]``; global ``targets``; fp32 outputs identical on every rank; gradient in the
     logits' dtype), plus ``impl`` (see the module docstring) and ``chunk_rows`` (rows per chunk of the
     ``"chunked"`` implementation; default: 2**24 elements per fp32 work buffer). ``-inf`` logits are allowed
@@ -67,7 +67,7 @@ def token_logprobs_and_entropy(
     """
     chosen = resolve_impl(impl, logits)
     if chosen == "torch":
-        from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy as reference
+        from megatron_rl.kernels.reference_logprob import token_logprobs_and_entropy as reference
 
         return reference(
             logits, targets, tp_group=tp_group, vocab_start_index=vocab_start_index,

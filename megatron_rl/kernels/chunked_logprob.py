@@ -1,6 +1,6 @@
 """Vocab-parallel token log-probs and entropy in torch, computed a chunk of rows at a time.
 
-Same results as ``megatron_backend.vocab_parallel.token_logprobs_and_entropy``, but the fp32 work buffers are
+Same results as ``kernels.reference_logprob.token_logprobs_and_entropy``, but the fp32 work buffers are
 ``[chunk_rows, V_local]`` instead of ``[tokens, V_local]``: the forward reduces each chunk to the per-shard
 statistics of ``shard_stats`` and the backward recomputes the softmax of each chunk from the saved logits.
 Peak extra memory is therefore O(chunk_rows x V_local) fp32 plus the gradient itself (logits' dtype).

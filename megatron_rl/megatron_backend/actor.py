@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_rl.kernels import token_logprobs_and_entropy
 from megatron_rl.megatron_backend import hf_weights, platform
 from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
 from megatron_rl.megatron_backend.model_builder import ModelOptions, build_model
 from megatron_rl.megatron_backend.models.family import HFConfig, get_family
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.routes import MoERouters
-from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
 
@@ -386,6 +386,7 @@ class MegatronActor:
             valid_vocab_size=self.dims.vocab_size,
             temperature=temperature,
             with_entropy=with_entropy,
+            impl=self.model_options.logprob_impl,
         )
         logp = torch.nn.functional.pad(logp, (1, 0))
         ent = None if ent is None else torch.nn.functional.pad(ent, (1, 0))

@@ -17,8 +17,8 @@ import torch
 
 from megatron_rl.kernels import resolve_impl, token_logprobs_and_entropy
 from megatron_rl.kernels.chunked_logprob import shard_grad, shard_stats
+from megatron_rl.kernels.reference_logprob import token_logprobs_and_entropy as vp_reference
 from megatron_rl.kernels.shard_stats import combine_shard_stats, valid_local_columns
-from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy as vp_reference
 from tests.kernels.conftest import DEVICE, triton_mode
 from tests.kernels.logprob_reference import make_case, reference
 
@@ -89,7 +89,7 @@ def test_triton_matches_oracle(name: str, triton_kernels: object) -> None:
 
 
 def test_chunked_equals_reference_implementation() -> None:
-    """Without -inf logits the chunked path reproduces megatron_backend.vocab_parallel to fp32 rounding."""
+    """Without -inf logits the chunked path reproduces kernels.reference_logprob to fp32 rounding."""
     case = make_case((5, 7), 2000, seed=2, valid_vocab_size=1900)
     ours = run(case, "chunked", torch.float32, 0.8, chunk_rows=4)
     theirs = run(case, "torch", torch.float32, 0.8)

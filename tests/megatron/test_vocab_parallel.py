@@ -1,4 +1,4 @@
-"""Tests for `megatron_rl.megatron_backend.vocab_parallel`: values and gradients against a float64 reference.
+"""Tests for `megatron_rl.kernels.reference_logprob`: values and gradients against a float64 reference.
 
 1. One process, unsplit vocabulary: fp32, bf16, temperature, padding, extreme logits.
 2. Simulated tensor parallelism: the per-shard phases of the forward and backward are run shard by shard and
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend import vocab_parallel as vp
-from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy
+from megatron_rl.kernels import reference_logprob as vp
+from megatron_rl.kernels.reference_logprob import token_logprobs_and_entropy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TP2_SCRIPT = Path(__file__).resolve().parent / "scripts" / "vocab_parallel_tp2.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.megatron_backend.vocab_parallel import token_logprobs_and_entropy
+from megatron_rl.kernels.reference_logprob import token_logprobs_and_entropy
 
 
 def _init_megatron_tp2() -> dist.ProcessGroup:
