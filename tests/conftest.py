@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under Triton's interpreter on CPU. Triton reads this when it is first imported, and
+    # other tests (transformers models, Megatron) may import it before tests/kernels runs, so set it here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
 
