@@ -17,13 +17,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
 from megatron_rl.kernels.gspo import PackedPolicyLoss, packed_gspo_loss
+from megatron_rl.kernels.reference_logprob import check_logprob_args
 
 __all__ = ["Impl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_impl", "token_logprobs_and_entropy"]
 
@@ -73,25 +72,7 @@ def token_logprobs_and_entropy(
             logits, targets, tp_group=tp_group, vocab_start_index=vocab_start_index,
             valid_vocab_size=valid_vocab_size, temperature=temperature, with_entropy=with_entropy,
         )  # fmt: skip
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
-        )
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if tp_group is not None and dist.get_world_size(tp_group) == 1:
-        tp_group = None
-    if tp_group is not None:
-        derived_start = dist.get_rank(tp_group) * logits.shape[-1]
-        if vocab_start_index is not None and vocab_start_index != derived_start:
-            raise ValueError(
-                f"vocab_start_index={vocab_start_index} contradicts the rank in tp_group (expected {derived_start})"
-            )
-        vocab_start_index = derived_start
-    elif vocab_start_index is None:
-        vocab_start_index = 0
+    tp_group, vocab_start_index = check_logprob_args(logits, targets, tp_group, vocab_start_index, temperature)
     kwargs = {"tp_group": tp_group, "vocab_start_index": vocab_start_index, "valid_vocab_size": valid_vocab_size,
               "temperature": float(temperature)}  # fmt: skip
     if chosen == "triton":

@@ -61,6 +61,22 @@ def token_logprobs_and_entropy(
         ``(logprobs, entropy)``, both fp32 with shape ``logits.shape[:-1]``, identical on every rank of the
         group. Differentiable with respect to ``logits``; the math is fp32 whatever the input dtype.
     """
+    tp_group, vocab_start_index = check_logprob_args(logits, targets, tp_group, vocab_start_index, temperature)
+    logprobs, entropy = _VocabParallelLogprobEntropy.apply(
+        logits, targets, tp_group, vocab_start_index, valid_vocab_size, float(temperature), with_entropy
+    )
+    return logprobs, entropy
+
+
+def check_logprob_args(
+    logits: Tensor,
+    targets: Tensor,
+    tp_group: ProcessGroup | None,
+    vocab_start_index: int | None,
+    temperature: float,
+) -> tuple[ProcessGroup | None, int]:
+    """Validate the arguments shared by every implementation; return the effective group (None when it has one
+    rank) and this shard's first global column (derived from the rank in the group)."""
     if targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
@@ -77,13 +93,8 @@ def token_logprobs_and_entropy(
             raise ValueError(
                 f"vocab_start_index={vocab_start_index} contradicts the rank in tp_group (expected {derived_start})"
             )
-        vocab_start_index = derived_start
-    elif vocab_start_index is None:
-        vocab_start_index = 0
-    logprobs, entropy = _VocabParallelLogprobEntropy.apply(
-        logits, targets, tp_group, vocab_start_index, valid_vocab_size, float(temperature), with_entropy
-    )
-    return logprobs, entropy
+        return tp_group, derived_start
+    return None, 0 if vocab_start_index is None else vocab_start_index
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
