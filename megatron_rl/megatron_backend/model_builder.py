@@ -44,10 +44,11 @@ class ModelOptions:
     dispatcher: Literal["alltoall", "allgather"] = field(default="alltoall", metadata={"help": "MoE token dispatcher"})
     aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
     logprob_impl: Literal["auto", "torch", "chunked", "triton"] = field(
-        default="auto",
+        default="chunked",
         metadata={
-            "help": "token log-prob/entropy kernel over vocab-parallel logits: auto = Triton on GPU, chunked "
-            "(memory-bounded torch) on CPU; torch = the unchunked reference"
+            "help": "token log-prob/entropy kernel over vocab-parallel logits: chunked (memory-bounded torch, "
+            "any device); triton = fused Triton kernels (GPU); auto = triton on GPU, chunked on CPU; torch = the "
+            "unchunked reference"
         },
     )
     seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
