@@ -116,7 +116,7 @@ class MegatronActor:
     @property
     def modules(self) -> list[nn.Module]:
         """The bare GPT models (unwrapped from DDP / Float16Module)."""
-        return [hf_weights._unwrap(c) for c in self.chunks]
+        return [hf_weights.unwrap_model(c) for c in self.chunks]
 
     # ------------------------------------------------------------------ training setup
     def _setup_training(self, opt: OptimizerOptions) -> None:

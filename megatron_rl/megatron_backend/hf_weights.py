@@ -70,7 +70,7 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
     local_experts = num_experts // ep_size
     out: list[LocalParam] = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []
         for name, param in model.named_parameters():
             name = _canonical(name)
@@ -90,7 +90,8 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
     return out
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The bare model inside Megatron's DDP / Float16Module wrappers."""
     while hasattr(module, "module"):
         module = module.module
     return module

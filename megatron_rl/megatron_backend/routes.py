@@ -12,11 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+from megatron_rl.megatron_backend.hf_weights import unwrap_model
 
 
 @dataclass
@@ -34,7 +30,7 @@ class MoERouters:
 
         handles: list[RouterHandle] = []
         for chunk_index, chunk in enumerate(chunks):
-            for layer in _unwrap(chunk).decoder.layers:
+            for layer in unwrap_model(chunk).decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
                     if getattr(router, "router_replay", None) is None:
