@@ -192,6 +192,12 @@ class RolloutConfig:
         "distributed = NCCL broadcast to separate servers, disk = via a checkpoint directory (fallback)",
     )
     bucket_mb: int = setting(512, help="weights are sent in buckets of at most this many MiB", ge=1)
+    restarts_per_step: int = setting(
+        2,
+        help="a dead or hung rollout server is restarted, given the current weights and the step's rollout "
+        "retried this many times before the run stops with the server's error",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ class SamplingParams:
     seed: int | None = field(default=None, metadata={"help": "sampling seed (reproducible rollouts)"})
 
 
+class RolloutEngineError(RuntimeError):
+    """The engine failed in a way `RolloutEngine.recover()` may repair (a dead or hung server)."""
+
+
 class RolloutEngine(Protocol):
     """Generates samples and takes new weights; implementations: `LocalEngine`, `SGLangEngine`."""
 
@@ -48,5 +52,10 @@ class RolloutEngine(Protocol):
     def abort(self) -> None: ...
 
     def healthy(self) -> bool: ...
+
+    def recover(self) -> list[str]:
+        """Restart what failed (dead or unresponsive servers); the names restarted. Restarted servers serve
+        the checkpoint they were launched from again: the caller re-sends the current weights."""
+        ...
 
     def shutdown(self) -> None: ...

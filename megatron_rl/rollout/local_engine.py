@@ -154,6 +154,10 @@ class LocalEngine:
     def healthy(self) -> bool:
         return not self._closed and self._broken is None
 
+    def recover(self) -> list[str]:
+        """Nothing runs out of process; mixed weights are repaired by the caller's next full update."""
+        return []
+
     def shutdown(self) -> None:
         """Abort in-flight calls and free the model; later calls raise RuntimeError."""
         self._closed = True

@@ -74,6 +74,7 @@ class SGLangEngine:
         self._extra_sampling = {**(extra_sampling_params or {}), **({} if stop_on_eos else {"ignore_eos": True})}
         self._version = self._read_version()
         self.last_sync: SyncReport | None = None
+        self._stale: str | None = None  # why the served weights are unknown (a failed update)
         self.generated_tokens = 0  # running count, for throughput metrics
 
     @property
@@ -93,6 +94,8 @@ class SGLangEngine:
             raise ValueError(f"n must be >= 1, got {n}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if self._stale is not None:
+            raise SGLangServerError(f"refusing to generate with mixed weights: {self._stale}; recover() and update")
         if return_routed_experts:
             self._routed_experts_layout()  # fail before sending anything
         futures = [
@@ -113,7 +116,12 @@ class SGLangEngine:
 
     def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
         """Stream HF-named full tensors to every server with the configured path; later samples carry `version`."""
-        self.last_sync = self.weight_sync.update(self.urls, buckets, version, timeout_s=self.request_timeout_s)
+        try:
+            self.last_sync = self.weight_sync.update(self.urls, buckets, version, timeout_s=self.request_timeout_s)
+        except SGLangServerError as err:
+            self._stale = f"the update to weights {version!r} failed ({err})"
+            raise
+        self._stale = None
         self._version = version
         logger.info("weights %s: %s", version, self.last_sync)
 
@@ -130,6 +138,31 @@ class SGLangEngine:
 
     def healthy(self) -> bool:
         return all(is_healthy(url, timeout_s=self.control_timeout_s) for url in self.urls)
+
+    def recover(self) -> list[str]:
+        """Restart every launched server that is dead or does not answer `/health` within `control_timeout_s`.
+
+        The restarted servers serve `model_path` again (weight version reset), and after a failed update the
+        others hold mixed weights: the caller re-sends the current weights. A broadcast group is rebuilt on the
+        next update. Connected servers cannot be restarted here.
+        """
+        failed = [
+            i for i, url in enumerate(self.urls)
+            if not self.servers.alive(i) or not is_healthy(url, timeout_s=self.control_timeout_s)
+        ]  # fmt: skip
+        if failed and self.servers.config is None:
+            raise SGLangServerError(
+                f"SGLang servers {[self.urls[i] for i in failed]} are down and were not launched by this run: "
+                "restart them, or let the trainer launch them (leave rollout.sglang.urls empty)"
+            )
+        for i in failed:
+            logger.warning("restarting SGLang server %d (%s); log tail:\n%s", i, self.urls[i], self.servers.log_tail(i))
+            self.servers.restart(i)
+        if failed or self._stale is not None:
+            self.weight_sync.reset([u for i, u in enumerate(self.urls) if i not in failed])
+            self._version = self._read_version()
+            self._stale = None  # the caller re-sends the weights next
+        return [self.urls[i] for i in failed]
 
     def shutdown(self) -> None:
         """Stop the servers launched by this process (connected servers keep running)."""

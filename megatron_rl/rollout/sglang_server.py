@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.rollout.engine import RolloutEngineError
+
 logger = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.5
 
 
-class SGLangServerError(RuntimeError):
+class SGLangServerError(RolloutEngineError):
     """An SGLang server is unreachable, timed out, crashed or refused a request."""
 
 

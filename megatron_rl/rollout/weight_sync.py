@@ -62,6 +62,10 @@ class WeightSync(Protocol):
         self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
     ) -> SyncReport: ...
 
+    def reset(self, live_urls: list[str]) -> None:
+        """Forget per-server state after a server restart (`live_urls`: the servers that kept running)."""
+        ...
+
 
 def make_weight_sync(path: str) -> WeightSync:
     """A strategy with default settings: "tensor", "distributed" or "disk"."""
@@ -136,6 +140,9 @@ class TensorWeightSync:
 
     tp_size: int = 1
     split_experts: bool = True
+
+    def reset(self, live_urls: list[str]) -> None:
+        """Stateless between updates: nothing to forget after a server restart."""
 
     def update(
         self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
@@ -219,6 +226,17 @@ class DistributedWeightSync:
         for url, fut in zip(urls, futures, strict=True):
             _check_success(url, "/init_weights_update_group", fut.result())
         self._urls = list(urls)
+
+    def reset(self, live_urls: list[str]) -> None:
+        """Drop the group after a server restart; the next update builds a new one with every server."""
+        for url in live_urls:
+            try:
+                request_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=60)
+            except SGLangServerError as err:  # the survivor may not have joined the old group
+                logger.warning("could not leave the old weight-update group on %s: %s", url, err)
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+        self._group, self._urls = None, None
 
     def close(self) -> None:
         if self._urls is not None:
@@ -314,6 +332,9 @@ class DiskWeightSync:
     directory: str = ""  # "" = a fresh temporary directory per update
     base_model_dir: str = ""  # non-weight files (config, tokenizer) to copy; "" = the served model_path
     keep: bool = False  # keep the written checkpoint after the update
+
+    def reset(self, live_urls: list[str]) -> None:
+        """Stateless between updates: nothing to forget after a server restart."""
 
     def update(
         self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float

@@ -26,6 +26,7 @@ from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models import get_family
 from megatron_rl.megatron_backend.reference import reference_from_hf
+from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.routing.agreement import mean_route_metrics
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
@@ -124,10 +125,7 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
     t0 = time.perf_counter()
 
     # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank.
-    rollout = data.collect(engine, step) if engine is not None else None
-    samples, rollout_metrics = broadcast_object(
-        (rollout.samples, rollout_metrics_of(rollout, cfg)) if rollout is not None else None
-    )
+    samples, rollout_metrics = collect_rollout(cfg, step, actor, engine, data)
     timings["time/rollout"] = time.perf_counter() - t0
     if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         return {**rollout_metrics, **timings, "time/step": time.perf_counter() - t0}
@@ -187,12 +185,48 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
 
     # 5. Weight sync to the rollout engine.
     t = time.perf_counter()
-    sync_weights(actor, engine, cfg, version=f"step-{step}")
+    try:
+        sync_weights(actor, engine, cfg, version=f"step-{step}")
+    except RolloutEngineError as err:  # rank 0 only; the next rollout restarts the server and re-sends weights
+        print(f"step {step}: weight sync failed ({err}); recovering at the next rollout", flush=True)
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
     metrics.update(timings)
     metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / timings["time/step"]
     return metrics
+
+
+def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list, dict[str, float]]:
+    """Rank 0 collects the step's samples and shares them. When a rollout server dies or hangs, the engine
+    restarts it, every rank re-sends the current weights and the step's rollout is retried from the same
+    prompt position (at most `rollout.restarts_per_step` times)."""
+    restarts = 0
+    while True:
+        outcome: Any = None
+        if engine is not None:
+            position = data.state_dict()
+            try:
+                rollout = data.collect(engine, step)
+                outcome = (rollout.samples, {**rollout_metrics_of(rollout, cfg), "rollout/restarts": restarts})
+            except RolloutEngineError as err:
+                if restarts >= cfg.rollout.restarts_per_step:
+                    outcome = err
+                else:
+                    restarted = engine.recover()
+                    print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
+                          flush=True)  # fmt: skip
+                    data.load_state_dict(position)
+                    outcome = "retry"
+        outcome = broadcast_object(outcome)
+        if isinstance(outcome, RolloutEngineError):
+            raise RolloutEngineError(
+                f"step {step}: rollout failed {restarts + 1} times (rollout.restarts_per_step="
+                f"{cfg.rollout.restarts_per_step}): {outcome}"
+            ) from (outcome if engine is not None else None)
+        if outcome != "retry":
+            return outcome
+        restarts += 1
+        sync_weights(actor, engine, cfg, version=f"step-{step - 1}")  # collective: every rank exports
 
 
 def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> list[list[int]]:
@@ -297,7 +331,12 @@ def sync_weights(actor: MegatronActor, engine, cfg: RLConfig, *, version: str) -
         for _ in buckets:
             pass
         return
-    engine.update_weights(buckets, version)
+    try:
+        engine.update_weights(buckets, version)
+    except RolloutEngineError:
+        for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
+            pass
+        raise
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -106,3 +106,48 @@ def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, m
         assert 0.0 < result[mode]["logp_abs_diff"] < 0.1
     assert result["R3"]["k3_kl"] < result["off"]["k3_kl"]
     assert result["R3"]["logp_abs_diff_max"] <= result["off"]["logp_abs_diff_max"]
+
+
+def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
+    """The trainer launches its own server; it is SIGKILLed after step 1. The run restarts it, re-sends the
+    current weights, retries the rollout and finishes every step."""
+    import os
+    import shlex
+    import signal
+    import time
+
+    from sglang_cpu_support import cpu_launch_env
+
+    from megatron_rl.rollout.sglang_server import free_port
+
+    wrapper = tmp_path / "sglang_python"  # the CPU shims' environment for the servers only, not the trainer
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in cpu_launch_env().items())
+    wrapper.write_text(f'#!/bin/sh\n{exports}exec {shlex.quote(sglang_py)} "$@"\n')
+    wrapper.chmod(0o755)
+    port, out = free_port(), tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
+        f"model.hf_path={model_dir}", "rollout.engine=sglang", f"rollout.sglang.python={wrapper}",
+        f"rollout.sglang.base_port={port}", f"rollout.sglang.extra_args=[{','.join(CPU_SERVER_ARGS)}]",
+        "rollout.sglang.startup_timeout_s=300", "rollout.sglang.request_timeout_s=120",
+        "warmup.sft_steps=20", "trainer.steps=3", "data.eval=null", "data.eval_every=0", "trainer.save_every=0",
+        "logging.wandb=false", "logging.plot=false",
+    ]  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.5)
+        pids = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"], capture_output=True, text=True)
+        pid = int(pids.stdout.split()[0])
+        os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its scheduler processes
+        output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-4000:]
+    history = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert sum(r["rollout/restarts"] for r in history) == 1, [r["rollout/restarts"] for r in history]
+    assert "restarted ['http://127.0.0.1:" in output
+    for r in history:
+        assert r["actor/ppo_kl_first"] == 0.0
+        assert r["mismatch/logp_abs_diff"] < 1e-3  # the restarted server got the current weights back
