@@ -122,12 +122,7 @@ def run(args: argparse.Namespace) -> int:
         options = ModelOptions(dtype=args.dtype, routing_replay=True)
         if args.checkpoint:
             actor = MegatronActor(hf, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens)
-            path = Path(args.checkpoint)
-            checkpoint.load_checkpoint(
-                actor,
-                path if (path / checkpoint.COMPLETE).is_file() else checkpoint.latest_checkpoint(path),
-                load_optimizer=False,
-            )
+            checkpoint.load_checkpoint(actor, checkpoint.resolve_checkpoint_dir(args.checkpoint), load_optimizer=False)
         else:
             actor = MegatronActor.from_hf(
                 args.hf_model, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens

@@ -75,12 +75,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def read_checkpoint_hf_config(path: str | Path) -> dict:
-    """The HF config.json stored with a checkpoint (`path` is a checkpoint or a directory of them)."""
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """`path` if it is a complete checkpoint, else the newest complete checkpoint under it."""
     path = Path(path)
     found = path if (path / COMPLETE).is_file() else latest_checkpoint(path)
     if found is None:
-        raise CheckpointError(f"no complete checkpoint at {path}")
+        raise CheckpointError(
+            f"no complete checkpoint at {path} (a checkpoint directory holds {COMPLETE}, hf_config.json and megatron/)"
+        )
+    return found
+
+
+def read_checkpoint_hf_config(path: str | Path) -> dict:
+    """The HF config.json stored with a checkpoint (`path` is a checkpoint or a directory of them)."""
+    found = resolve_checkpoint_dir(path)
     config = found / "hf_config.json"
     if not config.is_file():
         raise CheckpointError(f"{found} has no hf_config.json (written by an older version?)")
@@ -179,6 +187,7 @@ def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_s
 def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True) -> dict:
     """Collective. Restores model (any layout), optimizer + scheduler + RNG (same layout); returns trainer state."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     path = Path(path)
     if not (path / COMPLETE).is_file():
@@ -196,8 +205,9 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     try:
         loaded = dist_checkpointing.load(state, str(path / "megatron"))
-    except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
-        raise CheckpointError(f"cannot load {path}: {err}. Was it written for another architecture?") from err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
+        reason = str(err).strip().splitlines()[-1]  # torch's message ends with the cause after a traceback
+        raise CheckpointError(f"cannot load {path}: {reason}. Was it written for another architecture?") from err
     with torch.no_grad():
         for i, module in enumerate(actor.modules):
             module.load_state_dict(loaded["model" if len(actor.modules) == 1 else f"model{i}"], strict=True)

@@ -161,6 +161,15 @@ class _SafetensorsIndex:
     def names(self) -> set[str]:
         return set(self._map)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape from the file header (nothing is read)."""
+        if name not in self._map:
+            raise WeightMismatchError(f"checkpoint has no tensor {name!r}: is it a checkpoint of this architecture?")
+        file = self._map[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(self._dir / file, "pt")
+        return tuple(self._handles[file].get_slice(name).get_shape())
+
 
 @torch.no_grad()
 def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: ModelFamily, hf: HFConfig) -> None:

@@ -7,6 +7,7 @@ The Transformer Engine layer spec is used when TE imports and the platform is CU
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -103,10 +104,13 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
     return config
 
 
-def build_model(hf: HFConfig, layout: ParallelLayout, options: ModelOptions) -> tuple[list[nn.Module], object]:
+def build_model(
+    hf: HFConfig, layout: ParallelLayout, options: ModelOptions, *, meta: bool = False
+) -> tuple[list[nn.Module], object]:
     """Model chunks for this rank (one per virtual pipeline stage) and their TransformerConfig.
 
-    Requires `megatron.core.parallel_state` to be initialised with the same layout.
+    Requires `megatron.core.parallel_state` to be initialised with the same layout. `meta=True` builds the
+    parameters on the meta device (shapes and checkpoint structure only, no memory), for the converters.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -123,15 +127,16 @@ def build_model(hf: HFConfig, layout: ParallelLayout, options: ModelOptions) -> 
     for stage in range(vpp):
         vp_stage = stage if layout.vpp else None
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            parallel_output=True,
-            vp_stage=vp_stage,
-            **family.gpt_model_kwargs(hf),
-        )
-        chunks.append(model.to(platform.device()))
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_output=True,
+                vp_stage=vp_stage,
+                **family.gpt_model_kwargs(hf),
+            )
+        chunks.append(model if meta else model.to(platform.device()))
     return chunks, config

@@ -1,0 +1,44 @@
+"""`megatron-rl convert`: Hugging Face <-> Megatron distributed checkpoint, streaming, layout-independent.
+
+    megatron-rl convert hf-to-megatron HF_DIR OUT_DIR [--dtype auto|fp32|bf16|fp16]
+    megatron-rl convert megatron-to-hf CHECKPOINT OUT_DIR [--hf-extras HF_DIR] [--expect-config HF_DIR]
+
+The Megatron checkpoint loads into any TP/EP/PP/VPP layout (`megatron-rl logprobs --checkpoint`,
+training); CHECKPOINT may be a converted checkpoint, a `step_*` directory written by `megatron-rl train`
+or the directory holding them (its latest). Runs in one process; no GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPES = ["auto", "fp32", "bf16", "fp16"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    direction = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    to_megatron = direction.add_parser("hf-to-megatron", help="HF model directory -> Megatron distributed checkpoint")
+    to_megatron.add_argument("source", help="HF model directory (config.json + safetensors)")
+    to_megatron.add_argument("output", help="new directory for the Megatron checkpoint")
+    to_megatron.add_argument("--dtype", choices=DTYPES, default="auto", help="stored dtype (auto = torch_dtype)")
+    to_hf = direction.add_parser("megatron-to-hf", help="Megatron distributed checkpoint -> HF model directory")
+    to_hf.add_argument("source", help="Megatron checkpoint (converted, a train step_* dir, or their parent)")
+    to_hf.add_argument("output", help="new directory for the HF model")
+    to_hf.add_argument("--dtype", choices=DTYPES, default="auto", help="written dtype (auto = torch_dtype)")
+    to_hf.add_argument("--hf-extras", help="HF directory to copy tokenizer/generation files from (default: ckpt hf/)")
+    to_hf.add_argument(
+        "--expect-config", help="HF directory whose architecture the checkpoint must have (refused otherwise)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_rl.megatron_backend.conversion import hf_to_megatron, megatron_to_hf
+
+    if args.direction == "hf-to-megatron":
+        report = hf_to_megatron(args.source, args.output, dtype=args.dtype)
+    else:
+        report = megatron_to_hf(
+            args.source, args.output, hf_extras_from=args.hf_extras, expect_config=args.expect_config, dtype=args.dtype
+        )
+    print(f"wrote {args.output}: {report}")
+    return 0

@@ -1,0 +1,414 @@
+"""Checkpoint conversion, Hugging Face <-> Megatron distributed checkpoint, streaming tensor by tensor.
+
+Both directions build the model on the meta device at TP = PP = EP = 1 (no memory) only to obtain
+Megatron's own sharded state dict: global keys, global shapes and the factories that split fused tensors.
+Megatron's sharded keys never depend on the parallel layout, so a converted checkpoint loads into any
+TP/EP/PP/VPP layout (embedding rows are re-padded on load), and any layout's checkpoint converts back.
+
+- HF -> Megatron: Megatron's `dist_checkpointing.save` writes the checkpoint; our storage planner builds
+  each tensor from the safetensors files only when the writer asks for it and drops it once written
+  (peak host memory ~ one Megatron parameter plus its HF sources).
+- Megatron -> HF: one transformer layer at a time is read with `dist_checkpointing.load` and written as
+  one safetensors shard (peak ~ one layer's parameters).
+
+The Megatron side is a complete checkpoint in the layout `checkpoint.py` reads (model only, step 0),
+with the architecture in `hf_config.json` and the HF extras (tokenizer, generation config) under `hf/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from megatron_rl.megatron_backend.distributed import free_port
+from megatron_rl.megatron_backend.hf_weights import (
+    WeightMismatchError,
+    _canonical,
+    _rules_by_name,
+    _SafetensorsIndex,
+    read_hf_config,
+)
+from megatron_rl.megatron_backend.models import get_family
+from megatron_rl.megatron_backend.models.family import HFConfig
+
+# Files of an HF model directory besides config.json and the weights.
+HF_EXTRA_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    tensors: int
+    bytes: int
+    seconds: float
+    peak_rss_bytes: int  # the process's peak resident memory so far (ru_maxrss)
+    largest_tensor_bytes: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.tensors} tensors, {self.bytes / 2**30:.3f} GiB in {self.seconds:.1f} s "
+            f"({self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s); peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB, "
+            f"largest tensor {self.largest_tensor_bytes / 2**20:.1f} MiB"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- HF -> Megatron
+def hf_to_megatron(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+) -> ConversionReport:
+    """Write the HF model in `hf_dir` as a Megatron distributed checkpoint at `out_dir` (created atomically).
+
+    `dtype`: of the stored parameters; "auto" keeps the HF config's `torch_dtype`.
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.megatron_backend.checkpoint import COMPLETE
+
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf = read_hf_config(hf_dir)
+    family = get_family(hf)
+    index = _SafetensorsIndex(hf_dir)
+    check_hf_tensors(hf, index, hf_dir)
+    target = _resolve_dtype(dtype, hf)
+    tmp = _fresh_tmp(out_dir)
+    with _single_process_megatron(hf):
+        model = _meta_model(hf, target)
+        params = {_canonical(name): p for name, p in model.named_parameters()}
+        source = _HFTensorSource(index, _rules_by_name(family, hf), params, hf)
+        source.check_shapes()
+        (tmp / "megatron").mkdir(parents=True)
+        try:
+            dist_checkpointing.save(
+                {"model": model.sharded_state_dict()}, str(tmp / "megatron"), _lazy_save_strategy(source)
+            )
+        except CheckpointException as err:  # a BaseException: make it an ordinary error naming the cause
+            reason = str(err).strip().splitlines()[-1]
+            raise RuntimeError(f"writing {tmp / 'megatron'} failed: {reason}") from err
+    trainer_state = {"step": 0, "actor_step": 0, "scheduler": None, "adam_steps": None, "world_size": 1,
+                     "trainer": {"step": 0, "converted_from": str(hf_dir)}}  # fmt: skip
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    (tmp / "hf_config.json").write_text(json.dumps(hf, indent=1))
+    _copy_extras(hf_dir, tmp / "hf")
+    (tmp / COMPLETE).write_text("ok\n")
+    _finish(tmp, out_dir)
+    return _report(source.tensors, source.bytes, start, source.largest)
+
+
+def check_hf_tensors(hf: HFConfig, index: _SafetensorsIndex, where: Path) -> None:
+    """Refuse safetensors that do not fit config.json, naming the config field and both values."""
+    dims = get_family(hf).dims(hf)
+    names = index.names()
+    embed = next((n for n in sorted(names) if n.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        raise WeightMismatchError(f"{where}: no *embed_tokens.weight tensor: is this a decoder-only LM checkpoint?")
+    rows, cols = index.shape(embed)
+    for field, configured, found in (("vocab_size", dims.vocab_size, rows), ("hidden_size", dims.hidden_size, cols)):
+        if configured != found:
+            raise WeightMismatchError(
+                f"{where}: config.json has {field}={configured} but {embed} has shape {(rows, cols)} "
+                f"({field}={found}): the config does not belong to these weights"
+            )
+    has_head = "lm_head.weight" in names
+    if has_head == dims.tie_word_embeddings:
+        raise WeightMismatchError(
+            f"{where}: config.json has tie_word_embeddings={dims.tie_word_embeddings} but the checkpoint "
+            f"{'has' if has_head else 'has no'} lm_head.weight: the config does not belong to these weights"
+        )
+    if dims.num_experts:
+        layer = dims.moe_layers[0]
+        experts = {n.split(".experts.")[1].split(".")[0] for n in names if f"layers.{layer}." in n and ".experts." in n}
+        found = len({e for e in experts if e.isdigit()})
+        if found != dims.num_experts:
+            raise WeightMismatchError(
+                f"{where}: config.json has {dims.num_experts} experts per layer (num_experts/num_local_experts) "
+                f"but layer {layer} of the checkpoint has {found}: the config does not belong to these weights"
+            )
+
+
+class _HFTensorSource:
+    """Builds a Megatron parameter from HF tensors on demand; the writer asks for views of it."""
+
+    def __init__(self, index: _SafetensorsIndex, rules: dict, params: dict[str, torch.nn.Parameter], hf: HFConfig):
+        self.index, self.rules, self.params, self.hf = index, rules, params, hf
+        self._by_storage = {p.untyped_storage()._cdata: name for name, p in params.items()}
+        self._cached: tuple[str, torch.Tensor] | None = None
+        self.tensors = self.bytes = self.largest = 0
+
+    def check_shapes(self) -> None:
+        """Every parameter's rule applied to meta tensors of the HF shapes gives the parameter's shape."""
+        missing = [n for name in self.params for n in self._rule(name).hf if n not in self.index.names()]
+        if missing:
+            raise WeightMismatchError(
+                f"the HF checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:3]}"
+            )
+        for name, param in self.params.items():
+            rule = self._rule(name)
+            shapes = [self.index.shape(n) for n in rule.hf]
+            built = rule.to_megatron([torch.empty(s, device="meta") for s in shapes]).shape
+            expected = param.shape
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                built, expected = built[1:], expected[1:]  # rows are the (padded) vocabulary, checked above
+            if tuple(built) != tuple(expected):
+                raise WeightMismatchError(
+                    f"{', '.join(rule.hf)} with shapes {shapes} make a {name} of shape {tuple(built)}, but "
+                    f"config.json gives {tuple(expected)}: the config ({_arch_summary(self.hf)}) does not belong to "
+                    "these weights"
+                )
+
+    def materialize(self, meta: torch.Tensor) -> torch.Tensor:
+        """The real data behind `meta`, a view (chunk, prepended axis) of one meta parameter."""
+        name = self._by_storage.get(meta.untyped_storage()._cdata)
+        if name is None:
+            raise RuntimeError(f"no parameter behind a {tuple(meta.shape)} checkpoint tensor")
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # drop the previous parameter first
+            self._cached = (name, self._build(name))
+        full = self._cached[1]
+        part = full.as_strided(meta.size(), meta.stride(), meta.storage_offset()).clone()
+        self.tensors += 1
+        self.bytes += part.nbytes
+        self.largest = max(self.largest, full.nbytes)
+        return part
+
+    def _build(self, name: str) -> torch.Tensor:
+        rule, param = self._rule(name), self.params[name]
+        full = rule.to_megatron([self.index.get(n) for n in rule.hf])
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight") and full.shape[0] < param.shape[0]:
+            full = torch.cat([full, full.new_zeros((param.shape[0] - full.shape[0], *full.shape[1:]))])
+        return full.to(param.dtype).contiguous()
+
+    def _rule(self, name: str):
+        rule = self.rules.get(name)
+        if rule is None:
+            raise WeightMismatchError(f"no HF weight rule for Megatron parameter {name!r}")
+        return rule
+
+
+def _lazy_save_strategy(source: _HFTensorSource):
+    """Megatron's torch_dist save strategy, writing synchronously with a planner that materialises tensors."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class MaterializingPlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            return source.materialize(data) if isinstance(data, torch.Tensor) and data.is_meta else data
+
+    class StreamingSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(
+                mcore_to_pyt_state_dict(state, False),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1, single_file_per_rank=True),
+                planner=MaterializingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+            )
+
+    return StreamingSave("torch_dist", 1)
+
+
+# ---------------------------------------------------------------------------------------------- Megatron -> HF
+def megatron_to_hf(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    hf_extras_from: str | Path | None = None,
+    expect_config: str | Path | None = None,
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+) -> ConversionReport:
+    """Write a Megatron checkpoint (converted, or a step of `megatron-rl train`) as an HF model directory.
+
+    `hf_extras_from`: HF directory whose tokenizer/generation files are copied (default: the checkpoint's
+    `hf/`). `expect_config`: an HF directory whose architecture the checkpoint must have (refused otherwise).
+    `dtype`: of the written tensors; "auto" = the config's `torch_dtype`.
+    """
+    from safetensors.torch import save_file
+
+    from megatron_rl.megatron_backend import checkpoint as ckpt
+
+    start = time.perf_counter()
+    path = ckpt.resolve_checkpoint_dir(checkpoint_dir)
+    hf = ckpt.read_checkpoint_hf_config(path)
+    if expect_config is not None:
+        from megatron_rl.megatron_backend.actor import check_architecture
+
+        check_architecture(read_hf_config(expect_config), hf, path)
+    family = get_family(hf)
+    dims = family.dims(hf)
+    target = _resolve_dtype(dtype, hf)
+    rules = _rules_by_name(family, hf)
+    tmp = _fresh_tmp(Path(out_dir))
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    tensors = total = largest = 0
+    with _single_process_megatron(hf):
+        model = _meta_model(hf, torch.float32)
+        for shard, group in enumerate(_groups_by_layer(model.sharded_state_dict()), start=1):
+            file = f"model-{shard:05d}.safetensors"
+            out: dict[str, torch.Tensor] = {}
+            for name, full in _load_group(group, path / "megatron").items():
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    if dims.tie_word_embeddings and name == "output_layer.weight":
+                        continue
+                    full = full[: dims.vocab_size]
+                largest = max(largest, full.nbytes)
+                for hf_name, tensor in zip(rules[name].hf, rules[name].to_hf(full), strict=True):
+                    out[hf_name] = tensor.to(target).contiguous()
+            if not out:
+                continue
+            save_file(out, str(tmp / file), metadata={"format": "pt"})
+            for hf_name, tensor in out.items():
+                weight_map[hf_name] = file
+                tensors += 1
+                total += tensor.nbytes
+            del out
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = {**hf, "torch_dtype": _HF_DTYPE_NAMES[target]}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    _copy_extras(Path(hf_extras_from) if hf_extras_from else path / "hf", tmp)
+    if not (tmp / "generation_config.json").is_file():
+        generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    _finish(tmp, Path(out_dir))
+    return _report(tensors, total, start, largest)
+
+
+def _groups_by_layer(sharded_state_dict: dict) -> Iterator[dict]:
+    """The sharded state dict in pieces: what precedes the layers, each layer, what follows (tensors only)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    groups: dict[str, dict] = {}
+    for key, value in sharded_state_dict.items():
+        if not isinstance(value, ShardedTensor | ShardedTensorFactory):
+            continue  # _extra_state objects carry no weights
+        if key.startswith("decoder.layers."):
+            group = "layer" + key.split(".")[2]
+        else:
+            group = "post" if key.startswith(("decoder.final_layernorm", "output_layer")) else "pre"
+        groups.setdefault(group, {})[key] = value
+    order = ["pre", *sorted((g for g in groups if g.startswith("layer")), key=lambda g: int(g[5:])), "post"]
+    for name in order:
+        if name in groups:
+            yield groups[name]
+
+
+def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
+    """Read one group of parameters (full tensors, our canonical names) from the checkpoint."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from megatron_rl.megatron_backend.checkpoint import CheckpointError
+
+    buffers = {k: replace(v, data=torch.empty(v.data.shape, dtype=v.data.dtype)) for k, v in group.items()}
+    try:
+        loaded = dist_checkpointing.load(buffers, str(megatron_dir))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the checkpoint
+        reason = str(err).strip().splitlines()[-1]  # torch's message ends with the cause after a traceback
+        raise CheckpointError(
+            f"cannot read {sorted(group)[:2]}... from {megatron_dir}: {reason}. The checkpoint does not hold the "
+            "architecture its hf_config.json describes"
+        ) from err
+    return {_canonical(k): v for k, v in loaded.items() if k in group}
+
+
+# ---------------------------------------------------------------------------------------------- shared
+class _single_process_megatron:
+    """Megatron's parallel state at TP = PP = EP = 1 in this process (gloo), torn down on exit."""
+
+    def __init__(self, hf: HFConfig):
+        self.hf = hf
+
+    def __enter__(self) -> None:
+        from megatron_rl.megatron_backend.distributed import init_distributed
+        from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+        if torch.distributed.is_initialized():
+            raise RuntimeError("conversion runs in one process of its own (not under torchrun)")
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_distributed(ParallelLayout(), seed=0)
+
+    def __exit__(self, *exc) -> None:
+        from megatron_rl.megatron_backend.distributed import shutdown
+
+        shutdown()
+
+
+def _meta_model(hf: HFConfig, dtype: torch.dtype):
+    from megatron_rl.megatron_backend.model_builder import ModelOptions, build_model
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    options = ModelOptions(
+        dtype="bf16" if dtype == torch.bfloat16 else "fp32", layer_spec="local", routing_replay=False
+    )
+    chunks, _ = build_model(hf, ParallelLayout(), options, meta=True)
+    return chunks[0]
+
+
+def _resolve_dtype(dtype: str, hf: HFConfig) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def _arch_summary(hf: HFConfig) -> str:
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "moe_intermediate_size", "num_experts", "num_local_experts")  # fmt: skip
+    return ", ".join(f"{k}={hf[k]}" for k in keys if k in hf)
+
+
+def _fresh_tmp(out: Path) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output {out} exists and is not empty: choose a new output directory or remove it")
+    tmp = out.with_name(f".tmp_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()  # empty (checked by _fresh_tmp)
+    os.replace(tmp, out)
+
+
+def _copy_extras(source: Path, dest: Path) -> None:
+    if not source.is_dir():
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in HF_EXTRA_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+
+
+def _report(tensors: int, nbytes: int, start: float, largest: int) -> ConversionReport:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return ConversionReport(tensors, nbytes, time.perf_counter() - start, peak, largest)
