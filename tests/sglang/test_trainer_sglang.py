@@ -151,3 +151,32 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0
         assert r["mismatch/logp_abs_diff"] < 1e-3  # the restarted server got the current weights back
+
+
+def test_sglang_serves_an_exported_rl_checkpoint(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint written by the trainer's checkpoint code after RL updates, exported with `megatron-rl
+    convert megatron-to-hf`, served by the real SGLang server: its teacher-forced log-probs match the
+    trainer's own scoring of the checkpoint."""
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from tests.megatron.dist_harness import run_torchrun
+
+    repo = Path(__file__).parents[2]
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
+    train_args = ["--model", str(model_dir), "--ckpt", str(ckpt), "--out", str(tmp_path / "r.json"), "--phase", "full"]
+    run_torchrun(repo / "tests" / "actor" / "scripts" / "checkpoint_check.py", 1, train_args)
+    cli = [sys.executable, "-m", "megatron_rl.cli"]
+    export_args = ["convert", "megatron-to-hf", str(ckpt), str(exported), "--hf-extras", str(model_dir)]
+    convert = subprocess.run([*cli, *export_args], capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    ids = [5, 17, 33, 2, 60, 61, 9, 12, 40, 41, 42, 7]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"input_ids": ids, "response_start": 1}) + "\n")
+    score_args = ["logprobs", "--checkpoint", str(ckpt), "--input", str(tmp_path / "in.jsonl"), "--output",
+                  str(tmp_path / "out.jsonl")]  # fmt: skip
+    score = subprocess.run([*cli, *score_args], capture_output=True, text=True, timeout=300)
+    assert score.returncode == 0, score.stderr[-3000:]
+    trainer = json.loads((tmp_path / "out.jsonl").read_text())["log_probs"]
+    with _launch(sglang_py, exported, "float32", tmp_path / "logs") as servers:
+        served = SGLangEngine(servers, request_timeout_s=120).score(ids)
+    worst = max(abs(a - b) for a, b in zip(served, trainer, strict=True))
+    print(f"\nexported checkpoint: SGLang vs trainer max |Δ log-prob| = {worst:.2e} over {len(ids) - 1} tokens")
+    assert worst < 1e-3
