@@ -18,6 +18,7 @@ from megatron_rl.optional_deps import MissingOptionalDependency
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.commands.train", "RL training from a YAML config with dotted overrides"),
     "logprobs": ("megatron_rl.commands.logprobs", "score tokens: per-token log-probs, entropy and routed experts"),
+    "launch": ("megatron_rl.commands.launch", "plan a multi-node job: which node runs what, and whether it fits"),
     "convert": ("megatron_rl.commands.convert", "convert checkpoints: Hugging Face <-> Megatron distributed"),
     "doctor": ("megatron_rl.commands.doctor", "print what is installed and usable here"),
 }

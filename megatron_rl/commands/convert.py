@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = ["auto", "fp32", "bf16", "fp16"]
+DTYPES = ["auto", "fp32", "bf16"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("source", help="Megatron checkpoint (converted, a train step_* dir, or their parent)")
     to_hf.add_argument("output", help="new directory for the HF model")
     to_hf.add_argument("--dtype", choices=DTYPES, default="auto", help="written dtype (auto = torch_dtype)")
+    to_hf.add_argument("--bucket-mb", type=int, default=256, help="MiB read and written at a time (one shard)")
     to_hf.add_argument("--hf-extras", help="HF directory to copy tokenizer/generation files from (default: ckpt hf/)")
     to_hf.add_argument(
         "--expect-config", help="HF directory whose architecture the checkpoint must have (refused otherwise)"
@@ -38,7 +39,12 @@ def run(args: argparse.Namespace) -> int:
         report = hf_to_megatron(args.source, args.output, dtype=args.dtype)
     else:
         report = megatron_to_hf(
-            args.source, args.output, hf_extras_from=args.hf_extras, expect_config=args.expect_config, dtype=args.dtype
+            args.source,
+            args.output,
+            hf_extras_from=args.hf_extras,
+            expect_config=args.expect_config,
+            dtype=args.dtype,
+            bucket_mb=args.bucket_mb,
         )
     print(f"wrote {args.output}: {report}")
     return 0

@@ -206,8 +206,11 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     try:
         loaded = dist_checkpointing.load(state, str(path / "megatron"))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
-        reason = str(err).strip().splitlines()[-1]  # torch's message ends with the cause after a traceback
-        raise CheckpointError(f"cannot load {path}: {reason}. Was it written for another architecture?") from err
+        from megatron_rl.megatron_backend.conversion import error_summary
+
+        raise CheckpointError(
+            f"cannot load {path}: {error_summary(err)}. Was it written for another architecture?"
+        ) from err
     with torch.no_grad():
         for i, module in enumerate(actor.modules):
             module.load_state_dict(loaded["model" if len(actor.modules) == 1 else f"model{i}"], strict=True)

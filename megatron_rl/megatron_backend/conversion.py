@@ -8,8 +8,8 @@ TP/EP/PP/VPP layout (embedding rows are re-padded on load), and any layout's che
 - HF -> Megatron: Megatron's `dist_checkpointing.save` writes the checkpoint; our storage planner builds
   each tensor from the safetensors files only when the writer asks for it and drops it once written
   (peak host memory ~ one Megatron parameter plus its HF sources).
-- Megatron -> HF: one transformer layer at a time is read with `dist_checkpointing.load` and written as
-  one safetensors shard (peak ~ one layer's parameters).
+- Megatron -> HF: a bucket of parameters at a time (`bucket_mb`, or one parameter) is read with
+  `dist_checkpointing.load` and written as one safetensors shard (peak ~ the bucket plus one read buffer).
 
 The Megatron side is a complete checkpoint in the layout `checkpoint.py` reads (model only, step 0),
 with the architecture in `hf_config.json` and the HF extras (tokenizer, generation config) under `hf/`.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import time
@@ -51,7 +52,7 @@ HF_EXTRA_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -62,18 +63,20 @@ class ConversionReport:
     seconds: float
     peak_rss_bytes: int  # the process's peak resident memory so far (ru_maxrss)
     largest_tensor_bytes: int
+    start_rss_bytes: int  # resident memory when the conversion started (imports, interpreter)
 
     def __str__(self) -> str:
         return (
             f"{self.tensors} tensors, {self.bytes / 2**30:.3f} GiB in {self.seconds:.1f} s "
-            f"({self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s); peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB, "
+            f"({self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s); peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB "
+            f"({self.start_rss_bytes / 2**30:.2f} GiB at start), "
             f"largest tensor {self.largest_tensor_bytes / 2**20:.1f} MiB"
         )
 
 
 # ---------------------------------------------------------------------------------------------- HF -> Megatron
 def hf_to_megatron(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: Literal["auto", "fp32", "bf16"] = "auto"
 ) -> ConversionReport:
     """Write the HF model in `hf_dir` as a Megatron distributed checkpoint at `out_dir` (created atomically).
 
@@ -84,7 +87,7 @@ def hf_to_megatron(
 
     from megatron_rl.megatron_backend.checkpoint import COMPLETE
 
-    start = time.perf_counter()
+    start, start_rss = time.perf_counter(), current_rss()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir)
     family = get_family(hf)
@@ -103,8 +106,7 @@ def hf_to_megatron(
                 {"model": model.sharded_state_dict()}, str(tmp / "megatron"), _lazy_save_strategy(source)
             )
         except CheckpointException as err:  # a BaseException: make it an ordinary error naming the cause
-            reason = str(err).strip().splitlines()[-1]
-            raise RuntimeError(f"writing {tmp / 'megatron'} failed: {reason}") from err
+            raise RuntimeError(f"writing {tmp / 'megatron'} failed: {error_summary(err)}") from err
     trainer_state = {"step": 0, "actor_step": 0, "scheduler": None, "adam_steps": None, "world_size": 1,
                      "trainer": {"step": 0, "converted_from": str(hf_dir)}}  # fmt: skip
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -112,7 +114,7 @@ def hf_to_megatron(
     _copy_extras(hf_dir, tmp / "hf")
     (tmp / COMPLETE).write_text("ok\n")
     _finish(tmp, out_dir)
-    return _report(source.tensors, source.bytes, start, source.largest)
+    return _report(source.tensors, source.bytes, start, source.largest, start_rss)
 
 
 def check_hf_tensors(hf: HFConfig, index: _SafetensorsIndex, where: Path) -> None:
@@ -185,7 +187,8 @@ class _HFTensorSource:
             self._cached = None  # drop the previous parameter first
             self._cached = (name, self._build(name))
         full = self._cached[1]
-        part = full.as_strided(meta.size(), meta.stride(), meta.storage_offset()).clone()
+        # A view: the writer copies it out only when it is a part of the parameter (torch DCP's loader).
+        part = full.as_strided(meta.size(), meta.stride(), meta.storage_offset())
         self.tensors += 1
         self.bytes += part.nbytes
         self.largest = max(self.largest, full.nbytes)
@@ -239,19 +242,21 @@ def megatron_to_hf(
     *,
     hf_extras_from: str | Path | None = None,
     expect_config: str | Path | None = None,
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+    dtype: Literal["auto", "fp32", "bf16"] = "auto",
+    bucket_mb: int = 256,
 ) -> ConversionReport:
     """Write a Megatron checkpoint (converted, or a step of `megatron-rl train`) as an HF model directory.
 
     `hf_extras_from`: HF directory whose tokenizer/generation files are copied (default: the checkpoint's
     `hf/`). `expect_config`: an HF directory whose architecture the checkpoint must have (refused otherwise).
-    `dtype`: of the written tensors; "auto" = the config's `torch_dtype`.
+    `dtype`: of the written tensors; "auto" = the config's `torch_dtype`. Tensors are read and written in
+    groups of at most `bucket_mb` MiB (one safetensors shard each).
     """
     from safetensors.torch import save_file
 
     from megatron_rl.megatron_backend import checkpoint as ckpt
 
-    start = time.perf_counter()
+    start, start_rss = time.perf_counter(), current_rss()
     path = ckpt.resolve_checkpoint_dir(checkpoint_dir)
     hf = ckpt.read_checkpoint_hf_config(path)
     if expect_config is not None:
@@ -267,8 +272,8 @@ def megatron_to_hf(
     weight_map: dict[str, str] = {}
     tensors = total = largest = 0
     with _single_process_megatron(hf):
-        model = _meta_model(hf, torch.float32)
-        for shard, group in enumerate(_groups_by_layer(model.sharded_state_dict()), start=1):
+        model = _meta_model(hf, _stored_dtype(path / "megatron"))
+        for shard, group in enumerate(_groups(model.sharded_state_dict(), bucket_mb << 20), start=1):
             file = f"model-{shard:05d}.safetensors"
             out: dict[str, torch.Tensor] = {}
             for name, full in _load_group(group, path / "megatron").items():
@@ -296,26 +301,41 @@ def megatron_to_hf(
         generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
     _finish(tmp, Path(out_dir))
-    return _report(tensors, total, start, largest)
+    return _report(tensors, total, start, largest, start_rss)
 
 
-def _groups_by_layer(sharded_state_dict: dict) -> Iterator[dict]:
-    """The sharded state dict in pieces: what precedes the layers, each layer, what follows (tensors only)."""
+def _groups(sharded_state_dict: dict, bucket_bytes: int) -> Iterator[dict]:
+    """The sharded state dict's tensors in model order, in groups of at most `bucket_bytes`.
+
+    The unit is one checkpoint tensor: every piece of the same sharded key (e.g. all experts of one layer's
+    fc1, stacked on an expert axis) goes into the same group, since a single process must read it whole.
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    groups: dict[str, dict] = {}
+    units: dict[str, dict] = {}
     for key, value in sharded_state_dict.items():
-        if not isinstance(value, ShardedTensor | ShardedTensorFactory):
-            continue  # _extra_state objects carry no weights
-        if key.startswith("decoder.layers."):
-            group = "layer" + key.split(".")[2]
-        else:
-            group = "post" if key.startswith(("decoder.final_layernorm", "output_layer")) else "pre"
-        groups.setdefault(group, {})[key] = value
-    order = ["pre", *sorted((g for g in groups if g.startswith("layer")), key=lambda g: int(g[5:])), "post"]
-    for name in order:
-        if name in groups:
-            yield groups[name]
+        if isinstance(value, ShardedTensor | ShardedTensorFactory):  # _extra_state objects carry no weights
+            units.setdefault(value.key, {})[key] = value
+    group: dict = {}
+    size = 0
+    for unit in units.values():
+        nbytes = sum(v.data.numel() * v.data.element_size() for v in unit.values())
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = {}, 0
+        group.update(unit)
+        size += nbytes
+    if group:
+        yield group
+
+
+def _stored_dtype(megatron_dir: Path) -> torch.dtype:
+    """The dtype the checkpoint's word embeddings were saved in (the model's parameter dtype)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(megatron_dir)).read_metadata().state_dict_metadata
+    entry = metadata.get("embedding.word_embeddings.weight")
+    return entry.properties.dtype if entry is not None and hasattr(entry, "properties") else torch.float32
 
 
 def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
@@ -329,10 +349,9 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = dist_checkpointing.load(buffers, str(megatron_dir))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the checkpoint
-        reason = str(err).strip().splitlines()[-1]  # torch's message ends with the cause after a traceback
         raise CheckpointError(
-            f"cannot read {sorted(group)[:2]}... from {megatron_dir}: {reason}. The checkpoint does not hold the "
-            "architecture its hf_config.json describes"
+            f"cannot read {sorted(group)[:2]}... from {megatron_dir}: {error_summary(err)}. The checkpoint does not "
+            "hold the architecture its hf_config.json describes"
         ) from err
     return {_canonical(k): v for k, v in loaded.items() if k in group}
 
@@ -357,6 +376,14 @@ class _single_process_megatron:
         from megatron_rl.megatron_backend.distributed import shutdown
 
         shutdown()
+
+
+def error_summary(err: BaseException, limit: int = 400) -> str:
+    """One line for an error whose text may hold tracebacks (torch DCP's CheckpointException)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    line = named[-1] if named else (lines[0] if lines else type(err).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _meta_model(hf: HFConfig, dtype: torch.dtype):
@@ -409,6 +436,14 @@ def _copy_extras(source: Path, dest: Path) -> None:
             shutil.copy2(source / name, dest / name)
 
 
-def _report(tensors: int, nbytes: int, start: float, largest: int) -> ConversionReport:
+def _report(tensors: int, nbytes: int, start: float, largest: int, start_rss: int) -> ConversionReport:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return ConversionReport(tensors, nbytes, time.perf_counter() - start, peak, largest)
+    return ConversionReport(tensors, nbytes, time.perf_counter() - start, peak, largest, start_rss)
+
+
+def current_rss() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

@@ -1,0 +1,322 @@
+"""The launch plan of a multi-node job: which node runs what, and whether it fits.
+
+`make_plan(cfg, hf, cluster)` derives from the training config, the model's HF config and the node/GPU
+counts: the trainer ranks with their Megatron coordinates (tensor/pipeline/data and expert-tensor/expert/
+expert-data ranks, in Megatron-Core's default "tp-cp-ep-dp-pp" rank order), the SGLang servers and the
+router, and a per-GPU memory estimate. An impossible plan raises `PlanError` listing every reason.
+Pure arithmetic: no GPU, no SLURM and no Megatron import needed, so `megatron-rl launch --dry-run` works on
+a laptop.
+
+Modes: colocated (`trainer.colocate=true`: trainer ranks on every GPU of every node, SGLang servers share
+those GPUs) and disaggregated (`trainer.colocate=false`: the first nodes train, the last
+`cluster.rollout_nodes` serve SGLang behind a router, weights are broadcast over NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron_rl.megatron_backend.parallel_layout import LayoutError
+
+GiB = 2**30
+CUDA_CONTEXT_GIB = 3.0  # CUDA context, NCCL buffers and allocator slack per GPU
+SGLANG_PORT = 30000
+ROUTER_PORT = 30100
+
+
+class PlanError(ValueError):
+    """The job cannot run as configured; the message lists every reason and a fix for each."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float = 80.0
+    rollout_nodes: int = 0  # disaggregated: nodes that only serve SGLang (the last ones)
+
+
+@dataclass(frozen=True)
+class TrainerRank:
+    rank: int
+    node: int
+    local_rank: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    etp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class RolloutServer:
+    node: int
+    gpus: tuple[int, ...]
+    port: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU of the most loaded trainer rank (a pipeline stage holding embeddings)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    total: float
+    budget: float  # what the trainer may use on its GPU (after SGLang's share when colocated)
+    sglang_weights: float  # per GPU of a rollout server
+    sglang_budget: float
+
+    def lines(self) -> list[str]:
+        g = GiB
+        return [
+            f"  weights {self.weights / g:.1f} + grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
+            f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} = {self.total / g:.1f} GiB "
+            f"of {self.budget / g:.1f} GiB available to training",
+            f"  rollout server weights {self.sglang_weights / g:.1f} GiB per GPU of {self.sglang_budget / g:.1f} GiB "
+            "(rollout.sglang.mem_fraction_static; the rest of that share is KV cache)",
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Literal["colocated", "disaggregated"]
+    cluster: ClusterSpec
+    layout: Any  # ResolvedLayout
+    ranks: tuple[TrainerRank, ...]
+    servers: tuple[RolloutServer, ...]
+    router: tuple[int, int] | None  # (node, port)
+    memory: MemoryEstimate
+    params: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def trainer_nodes(self) -> list[int]:
+        return sorted({r.node for r in self.ranks})
+
+    @property
+    def rollout_nodes(self) -> list[int]:
+        return sorted({s.node for s in self.servers})
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
+    """The plan for `cfg` (RLConfig) of the model `hf` (HF config.json) on `cluster`; PlanError if impossible."""
+    reasons: list[str] = []
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1:
+        raise PlanError(f"need at least one node and one GPU per node, got {cluster.nodes} x {cluster.gpus_per_node}")
+    colocated = cfg.trainer.colocate
+    sglang = cfg.rollout.engine == "sglang"
+    if colocated and cluster.rollout_nodes:
+        reasons.append(
+            f"rollout_nodes={cluster.rollout_nodes} with trainer.colocate=true: colocated runs put training and "
+            "rollout on the same nodes; set trainer.colocate=false for separate rollout nodes"
+        )
+    if not colocated:
+        if not sglang:
+            reasons.append("trainer.colocate=false needs rollout.engine=sglang (the local engine lives in the trainer)")
+        if not 0 < cluster.rollout_nodes < cluster.nodes:
+            reasons.append(
+                f"trainer.colocate=false needs 1 <= --rollout-nodes < --nodes (got {cluster.rollout_nodes} of "
+                f"{cluster.nodes}): some nodes train, the others serve"
+            )
+    train_nodes = cluster.nodes if colocated else max(cluster.nodes - cluster.rollout_nodes, 1)
+    world = train_nodes * cluster.gpus_per_node
+    dims = _dims(hf)
+    layout = None
+    try:
+        layout = cfg.parallel.validate(
+            world,
+            num_layers=dims["layers"],
+            num_experts=dims["experts"] or None,
+            num_attention_heads=dims["heads"],
+            num_query_groups=dims["kv_heads"],
+            is_moe=dims["experts"] > 0,
+        )
+    except LayoutError as err:
+        reasons.append(f"parallel layout on {world} training GPUs ({train_nodes} nodes): {err}")
+    servers: list[RolloutServer] = []
+    router = None
+    if sglang:
+        gpus_per_server = cfg.rollout.sglang.tp_size
+        if cluster.gpus_per_node % gpus_per_server:
+            reasons.append(
+                f"rollout.sglang.tp_size={gpus_per_server} does not divide {cluster.gpus_per_node} GPUs per node: "
+                "a server must fit on one node"
+            )
+        else:
+            serving = range(cluster.nodes) if colocated else range(train_nodes, cluster.nodes)
+            for node in serving:
+                for i in range(cluster.gpus_per_node // gpus_per_server):
+                    gpus = tuple(range(i * gpus_per_server, (i + 1) * gpus_per_server))
+                    servers.append(RolloutServer(node, gpus, SGLANG_PORT + i))
+            if len(servers) > 1:
+                router = (servers[0].node, ROUTER_PORT)
+    memory, params = _memory(cfg, dims, layout, cluster, colocated and sglang)
+    if layout is not None and memory.total > memory.budget:
+        reasons.append(
+            f"training needs ~{memory.total / GiB:.1f} GiB per GPU but {memory.budget / GiB:.1f} GiB are available"
+            + (f" (rollout.sglang.mem_fraction_static={cfg.rollout.sglang.mem_fraction_static} of the GPU is SGLang's)"
+               if colocated and sglang else "")
+            + ": raise tp/pp/ep, use more nodes, lower trainer.micro_batch_tokens, or enable "
+            "model.options.recompute=full\n  " + memory.lines()[0]
+        )  # fmt: skip
+    if sglang and memory.sglang_weights > memory.sglang_budget:
+        reasons.append(
+            f"a rollout server's weights need {memory.sglang_weights / GiB:.1f} GiB per GPU but its share is "
+            f"{memory.sglang_budget / GiB:.1f} GiB: raise rollout.sglang.tp_size or mem_fraction_static"
+        )
+    if reasons:
+        raise PlanError("impossible plan:\n" + "\n".join(f"  - {r}" for r in reasons))
+    ranks = tuple(_coordinates(rank, layout, cluster.gpus_per_node) for rank in range(world))
+    notes = []
+    if colocated and sglang:
+        notes.append(
+            "colocated: SGLang keeps its mem_fraction_static share during training (no memory release between "
+            "phases yet), so training gets the rest"
+        )
+    if cfg.algo.kl_coef > 0:
+        notes.append("KL reference weights are swapped from host memory (no extra GPU memory)")
+    return Plan(
+        "colocated" if colocated else "disaggregated",
+        cluster,
+        layout,
+        ranks,
+        tuple(servers),
+        router,
+        memory,
+        params,
+        tuple(notes),
+    )
+
+
+def _coordinates(rank: int, layout, gpus_per_node: int) -> TrainerRank:
+    """Megatron-Core's default order "tp-cp-ep-dp-pp": tp varies fastest, pp slowest; experts regroup each
+    pipeline stage's ranks as etp (fastest) x ep x expert-dp."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    stage = tp * cp * dp
+    etp, ep = layout.etp, layout.ep
+    return TrainerRank(
+        rank=rank,
+        node=rank // gpus_per_node,
+        local_rank=rank % gpus_per_node,
+        tp=rank % tp,
+        cp=(rank // tp) % cp,
+        dp=(rank // (tp * cp)) % dp,
+        pp=rank // stage,
+        etp=rank % etp,
+        ep=(rank // etp) % ep,
+        edp=(rank % stage) // (etp * ep),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _dims(hf: dict) -> dict[str, Any]:
+    h = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    layers = int(hf["num_hidden_layers"])
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    moe = [experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(layers)]
+    return {
+        "hidden": h,
+        "heads": heads,
+        "kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or h // heads),
+        "layers": layers,
+        "experts": experts,
+        "top_k": int(hf.get("num_experts_per_tok") or 0),
+        "moe": moe,
+        "vocab": int(hf["vocab_size"]),
+        "tied": bool(hf.get("tie_word_embeddings", False)),
+        "inter": int(hf.get("intermediate_size") or 4 * h),
+        "moe_inter": int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * h),
+        "shared_inter": int(hf.get("shared_expert_intermediate_size") or 0),
+    }
+
+
+def _memory(cfg, d: dict, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
+    h, hd = d["hidden"], d["head_dim"]
+    attention = h * d["heads"] * hd * 2 + 2 * h * d["kv_heads"] * hd + 2 * hd + 2 * h
+    moe_dense = d["experts"] * h + (3 * h * d["shared_inter"] + h if d["shared_inter"] else 0)
+    expert = d["experts"] * 3 * h * d["moe_inter"]
+    per_layer_dense = [attention + (moe_dense if m else 3 * h * d["inter"]) for m in d["moe"]]
+    per_layer_expert = [expert if m else 0 for m in d["moe"]]
+    embed = d["vocab"] * h
+    head = 0 if d["tied"] else embed
+    total_params = sum(per_layer_dense) + sum(per_layer_expert) + embed + head + h
+    active = total_params - sum(per_layer_expert) + sum(per_layer_expert) * d["top_k"] / max(d["experts"], 1)
+    params = {"total": total_params, "experts": sum(per_layer_expert), "active": active}
+
+    tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
+    dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
+    per_stage = math.ceil(d["layers"] / pp)
+    dense = max(per_layer_dense) * per_stage / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d["tied"])
+    experts = max(per_layer_expert) * per_stage / (ep * etp)
+    bf16 = cfg.model.options.dtype == "bf16"
+    weights = (dense + experts) * (2 if bf16 else 4)
+    grads = (dense + experts) * 4
+    opt_bytes = 12 if bf16 else 8  # fp32 main copy (bf16 only) + Adam moments, sharded by the distributed optimizer
+    optimizer = dense * opt_bytes / dp + experts * opt_bytes / edp
+    tokens = cfg.trainer.micro_batch_tokens
+    act_bytes = 2 if bf16 else 4
+    if cfg.model.options.recompute == "full":
+        activations = tokens * h * act_bytes * (per_stage + 17)
+    else:
+        activations = tokens * h * act_bytes * 17 * per_stage / tp  # ~34 bytes/token/hidden per layer in bf16
+    if pp > 1:
+        activations *= min(pp, 2)  # in-flight micro-batches of 1F1B on the first stage
+    logits = tokens * d["vocab"] / tp * act_bytes * 2  # logits and their gradient (the log-prob kernel is chunked)
+    total = (weights + grads + optimizer + activations + logits) * 1.1
+    gpu = cluster.gpu_memory_gib * GiB
+    share = cfg.rollout.sglang.mem_fraction_static
+    budget = gpu * (1 - share) - CUDA_CONTEXT_GIB * GiB if colocated_sglang else gpu - CUDA_CONTEXT_GIB * GiB
+    server_gpus = cfg.rollout.sglang.tp_size
+    sglang_weights = total_params * 2 / server_gpus
+    sglang_budget = gpu * share
+    return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
+                          sglang_budget), params  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- output
+def format_plan(plan: Plan) -> str:
+    c, lay = plan.cluster, plan.layout
+    out = [
+        f"{plan.mode} plan: {c.nodes} node(s) x {c.gpus_per_node} GPU(s), {c.gpu_memory_gib:g} GiB each",
+        f"model: {_count(plan.params['total'])} parameters ({_count(plan.params['experts'])} in experts, "
+        f"{_count(plan.params['active'])} active per token)",
+        f"trainer: {len(plan.ranks)} ranks on nodes {plan.trainer_nodes}: tp={lay.tp} pp={lay.pp}"
+        f"{f' vpp={lay.vpp}' if lay.vpp else ''} cp={lay.cp} dp={lay.dp} | experts: etp={lay.etp} ep={lay.ep} "
+        f"edp={lay.expert_dp}",
+    ]
+    for node in plan.trainer_nodes:
+        ranks = [r for r in plan.ranks if r.node == node]
+        out.append(f"  node {node}: ranks {ranks[0].rank}-{ranks[-1].rank}")
+        for r in ranks:
+            out.append(
+                f"    gpu {r.local_rank}: rank {r.rank:<4} tp {r.tp} cp {r.cp} dp {r.dp} pp {r.pp} | "
+                f"etp {r.etp} ep {r.ep} edp {r.edp}"
+            )
+    if plan.servers:
+        out.append(f"rollout: {len(plan.servers)} SGLang server(s) on nodes {plan.rollout_nodes}")
+        for s in plan.servers:
+            out.append(f"  node {s.node}: port {s.port}, GPUs {list(s.gpus)}")
+        if plan.router:
+            out.append(f"  sglang-router on node {plan.router[0]}, port {plan.router[1]}")
+    else:
+        out.append("rollout: the embedded local engine in trainer rank 0")
+    out.append("memory per GPU (estimate, most loaded pipeline stage):")
+    out.extend(plan.memory.lines()[: 2 if plan.servers else 1])
+    out.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(out)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
