@@ -22,11 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout-nodes", type=int, default=0, help="disaggregated: nodes that only serve SGLang")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
     parser.add_argument("--hf-config", help="the model's config.json (default: model.hf_path/config.json)")
+    parser.add_argument(
+        "--emit",
+        choices=["text", "shell"],
+        default="text",
+        help="text = the plan for people; shell = KEY=value lines the SLURM templates read",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
-    from megatron_rl.launch.plan import ClusterSpec, format_plan, make_plan
+    from megatron_rl.launch.plan import ClusterSpec, format_plan, make_plan, shell_plan
 
     if not args.dry_run:
         raise ValueError(
@@ -45,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         hf = json.loads(hf_config.read_text())
     cluster = ClusterSpec(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.rollout_nodes)
-    print(format_plan(make_plan(cfg, hf, cluster)))
+    plan = make_plan(cfg, hf, cluster)
+    print(shell_plan(plan, cfg) if args.emit == "shell" else format_plan(plan))
     return 0

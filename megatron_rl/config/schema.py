@@ -157,6 +157,14 @@ class SGLangConfig:
     """SGLang rollout servers: connect to running ones or launch them on this node."""
 
     urls: tuple[str, ...] = setting((), help="running servers (http://host:port); empty = launch num_servers")
+    router_url: str = setting(
+        "", help="with urls: a running sglang-router in front of them; generation goes through it, weights to each"
+    )
+    trainer_address: str = setting(
+        "127.0.0.1",
+        help="address the servers use to reach trainer rank 0 for weight_sync=distributed (the trainer's first "
+        "node in multi-node jobs; scripts/slurm sets it)",
+    )
     num_servers: int = setting(1, help="servers to launch when urls is empty", ge=1)
     tp_size: int = setting(1, help="GPUs per launched server (SGLang --tp-size)", ge=1)
     ep_size: int = setting(1, help="expert-parallel size inside a launched server (SGLang --ep-size)", ge=1)

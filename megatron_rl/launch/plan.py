@@ -15,6 +15,7 @@ those GPUs) and disaggregated (`trainer.colocate=false`: the first nodes train, 
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -320,3 +321,26 @@ def format_plan(plan: Plan) -> str:
 
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def shell_plan(plan: Plan, cfg) -> str:
+    """The plan as shell assignments (node indices into the job's node list), for scripts/slurm/*.sbatch."""
+    servers_per_node = len([s for s in plan.servers if s.node == plan.servers[0].node]) if plan.servers else 0
+    values = {
+        "PLAN_MODE": plan.mode,
+        "PLAN_ROLLOUT_ENGINE": cfg.rollout.engine,
+        "PLAN_MODEL_PATH": cfg.model.hf_path,
+        "PLAN_TRAIN_NODES": " ".join(map(str, plan.trainer_nodes)),
+        "PLAN_ROLLOUT_NODES": " ".join(map(str, plan.rollout_nodes)),
+        "PLAN_TRAINER_RANKS_PER_NODE": str(plan.cluster.gpus_per_node),
+        "PLAN_SERVERS_PER_NODE": str(servers_per_node),
+        "PLAN_SERVER_TP": str(cfg.rollout.sglang.tp_size),
+        "PLAN_SERVER_EP": str(cfg.rollout.sglang.ep_size),
+        "PLAN_SERVER_MEM_FRACTION": str(cfg.rollout.sglang.mem_fraction_static),
+        "PLAN_SERVER_PORT": str(SGLANG_PORT),
+        "PLAN_ROUTER_NODE": str(plan.router[0]) if plan.router else "",
+        "PLAN_ROUTER_PORT": str(plan.router[1]) if plan.router else "",
+        "PLAN_ROUTER_POLICY": cfg.rollout.sglang.router_policy,
+        "PLAN_R3": "1" if cfg.algo.routing_replay == "R3" else "",
+    }
+    return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())

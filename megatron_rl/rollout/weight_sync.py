@@ -67,12 +67,13 @@ class WeightSync(Protocol):
         ...
 
 
-def make_weight_sync(path: str) -> WeightSync:
-    """A strategy with default settings: "tensor", "distributed" or "disk"."""
+def make_weight_sync(path: str, *, tp_size: int = 1, master_address: str = "127.0.0.1") -> WeightSync:
+    """A strategy by name: "tensor", "distributed" or "disk"; `tp_size` = GPUs (TP ranks) per server,
+    `master_address` = where the servers reach this process for the distributed broadcast group."""
     if path == "tensor":
-        return TensorWeightSync()
+        return TensorWeightSync(tp_size=tp_size)
     if path == "distributed":
-        return DistributedWeightSync()
+        return DistributedWeightSync(master_address=master_address, tp_size=tp_size)
     if path == "disk":
         return DiskWeightSync()
     raise ValueError(f"unknown weight-sync path {path!r}; expected 'tensor', 'distributed' or 'disk'")

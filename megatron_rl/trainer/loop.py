@@ -391,10 +391,11 @@ def build_engine(cfg: RLConfig, model_dir: Path):
         return LocalEngine(model_dir, weight_version="step-0")
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+    from megatron_rl.rollout.weight_sync import make_weight_sync
 
     sg = cfg.rollout.sglang
     if sg.urls:
-        servers = SGLangServers.connect(list(sg.urls))
+        servers = SGLangServers.connect(list(sg.urls), router_url=sg.router_url or None)
     else:
         flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
         flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
@@ -413,7 +414,8 @@ def build_engine(cfg: RLConfig, model_dir: Path):
                 router_policy=sg.router_policy,
             )
         )
-    return SGLangEngine(servers, weight_sync=cfg.rollout.weight_sync, request_timeout_s=sg.request_timeout_s)
+    weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)
+    return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
 
 
 class PromptData:

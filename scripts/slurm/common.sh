@@ -1,0 +1,114 @@
+# Shared parts of the SLURM templates (sourced by colocated.sbatch and disaggregated.sbatch).
+# Expects: PYTHON, SGLANG_PYTHON, RUN_DIR, LOG_DIR, GPUS_PER_NODE, MASTER_PORT, HEALTH_TIMEOUT, NODES (array).
+
+CHILD_PIDS=()
+SERVER_URLS=()
+ROUTER_URL=""
+
+log() { echo "[$(date '+%F %T')] $*"; }
+
+# Stop every child (srun steps of servers, router, trainer) on exit, failure or scancel (SIGTERM).
+stop_children() {
+    local pid
+    for pid in "${CHILD_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in $(seq 1 20); do
+        local alive=0
+        for pid in "${CHILD_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && return 0
+        sleep 1
+    done
+    for pid in "${CHILD_PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+on_signal() {
+    log "signal received: stopping every child process"
+    trap - TERM INT EXIT
+    stop_children
+    exit 143
+}
+trap on_signal TERM INT
+trap stop_children EXIT
+
+# plan_job CONFIG [OVERRIDES...] -- [launch args...]: print the plan to the log (and $LOG_DIR/plan.txt),
+# refuse an impossible one, and read its shell form (PLAN_* variables).
+plan_job() {
+    local args=()
+    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
+    shift || true
+    if ! "$PYTHON" -m megatron_rl.cli launch --dry-run "${args[@]}" "trainer.output_dir=$RUN_DIR" "$@" \
+            > "$LOG_DIR/plan.txt" 2>&1; then
+        cat "$LOG_DIR/plan.txt" >&2
+        log "the plan is impossible (above): nothing was started" >&2
+        exit 2
+    fi
+    cat "$LOG_DIR/plan.txt"
+    eval "$("$PYTHON" -m megatron_rl.cli launch --dry-run "${args[@]}" "trainer.output_dir=$RUN_DIR" "$@" --emit shell)"
+}
+
+wait_healthy() {  # wait_healthy URL PATH PID: until URL+PATH answers, the process dies, or HEALTH_TIMEOUT
+    local url="$1" path="$2" pid="$3" deadline=$((SECONDS + HEALTH_TIMEOUT))
+    until "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$url$path" \
+            2>/dev/null; do
+        if ! kill -0 "$pid" 2>/dev/null; then log "$url exited before becoming healthy (see $LOG_DIR)" >&2; exit 1; fi
+        if [ "$SECONDS" -ge "$deadline" ]; then log "$url not healthy after ${HEALTH_TIMEOUT}s" >&2; exit 1; fi
+        sleep 2
+    done
+}
+
+# start_sglang_servers "NODE_INDICES": PLAN_SERVERS_PER_NODE servers on each listed node (each on
+# PLAN_SERVER_TP GPUs), then sglang-router when the plan has one. Sets SERVER_URLS and ROUTER_URL.
+start_sglang_servers() {
+    local index node s port first pid
+    local r3=()
+    [ -n "$PLAN_R3" ] && r3=(--enable-return-routed-experts)
+    for index in $1; do
+        node="${NODES[$index]}"
+        for s in $(seq 0 $((PLAN_SERVERS_PER_NODE - 1))); do
+            port=$((PLAN_SERVER_PORT + s))
+            first=$((s * PLAN_SERVER_TP))
+            srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/sglang_${node}_${port}.log" \
+                env CUDA_VISIBLE_DEVICES="$(seq -s, "$first" $((first + PLAN_SERVER_TP - 1)))" \
+                "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$PLAN_MODEL_PATH" --host 0.0.0.0 \
+                --port "$port" --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
+                --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${r3[@]}" &
+            CHILD_PIDS+=("$!")
+            SERVER_URLS+=("http://$node:$port")
+        done
+    done
+    local i=0
+    for url in "${SERVER_URLS[@]}"; do
+        wait_healthy "$url" /health "${CHILD_PIDS[$i]}"
+        i=$((i + 1))
+    done
+    log "SGLang servers healthy: ${SERVER_URLS[*]}"
+    if [ -n "$PLAN_ROUTER_NODE" ]; then
+        node="${NODES[$PLAN_ROUTER_NODE]}"
+        srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/router_${node}.log" \
+            "$SGLANG_PYTHON" -m sglang_router.launch_router --host 0.0.0.0 --port "$PLAN_ROUTER_PORT" \
+            --policy "$PLAN_ROUTER_POLICY" --worker-urls "${SERVER_URLS[@]}" &
+        pid=$!
+        CHILD_PIDS+=("$pid")
+        ROUTER_URL="http://$node:$PLAN_ROUTER_PORT"
+        wait_healthy "$ROUTER_URL" /liveness "$pid"
+        log "sglang-router healthy: $ROUTER_URL"
+    fi
+}
+
+# run_trainer NNODES HEAD "NODE NAMES" [extra overrides...]: torchrun on each node (one srun task per
+# node), c10d rendezvous on HEAD; resumes from RUN_DIR's last checkpoint. Returns the trainer's status.
+run_trainer() {
+    local nnodes="$1" head="$2" nodelist="$3"
+    shift 3
+    log "trainer: $nnodes node(s) x $GPUS_PER_NODE ranks, rendezvous $head:$MASTER_PORT"
+    # shellcheck disable=SC2086
+    srun --overlap --nodes="$nnodes" --ntasks-per-node=1 --nodelist="${nodelist// /,}" --kill-on-bad-exit=1 \
+        --output="$LOG_DIR/trainer_%N.log" \
+        "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" \
+        --rdzv-backend=c10d --rdzv-endpoint="$head:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \
+        -m megatron_rl.cli train "$CONFIG" $OVERRIDES "trainer.output_dir=$RUN_DIR" trainer.resume=auto "$@" &
+    local pid=$!
+    CHILD_PIDS+=("$pid")
+    local status=0
+    wait "$pid" || status=$?
+    log "trainer exited with status $status"
+    return "$status"
+}

@@ -1,0 +1,101 @@
+"""The SLURM templates on a real single-node SLURM (slurm-wlm: slurmctld + slurmd + munge on localhost).
+
+Set up with `bash scripts/slurm/local_cluster.sh`; run with `pytest -m slurm tests/slurm` (what .ci/run does).
+Skipped when no cluster answers. The CPU demo runs through scripts/slurm/colocated.sbatch as 2 trainer ranks
+(gloo): the job completes with per-role logs and a checkpoint; a job cancelled mid-run and submitted again
+resumes from its last checkpoint and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.tiny_model import make_tiny_qwen3_moe
+
+pytestmark = pytest.mark.slurm
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "scripts" / "slurm" / "colocated.sbatch"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    try:
+        info = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no SLURM here: run `bash scripts/slurm/local_cluster.sh`")
+    if info.returncode != 0 or "idle" not in info.stdout:
+        pytest.skip(f"SLURM is not ready ({info.stdout.strip() or info.stderr.strip()})")
+    return info.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("slurm") / "model", seed=1234)
+
+
+def _submit(run_dir: Path, model: Path, steps: int, *, wait: bool) -> tuple[int, subprocess.CompletedProcess]:
+    overrides = (
+        f"model.hf_path={model} warmup.sft_steps=20 trainer.steps={steps} trainer.save_every=1 trainer.keep_last=2 "
+        "rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false"
+    )
+    env = {**os.environ, "CONFIG": "examples/tiny_moe_gspo.yaml", "RUN_DIR": str(run_dir), "GPUS_PER_NODE": "2",
+           "OVERRIDES": overrides}  # fmt: skip
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", "--export=ALL",
+           f"--output={run_dir.parent / 'job-%j.out'}", *(["--wait"] if wait else []), str(TEMPLATE)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    job = int(proc.stdout.strip().splitlines()[0].split(";")[0])
+    return job, proc
+
+
+def _job_gone(job: int) -> bool:
+    return not subprocess.run(["squeue", "-h", "-j", str(job)], capture_output=True, text=True).stdout.strip()
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_colocated_demo_job_completes(cluster: str, model: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    job, proc = _submit(run, model, 3, wait=True)
+    assert proc.returncode == 0, (tmp_path / f"job-{job}.out").read_text()[-3000:]
+    logs = run / "logs" / f"{job}_0"
+    assert "colocated plan: 1 node(s) x 2 GPU(s)" in (logs / "plan.txt").read_text()
+    trainer_logs = list(logs.glob("trainer_*.log"))
+    assert len(trainer_logs) == 1 and "step 3/3" in trainer_logs[0].read_text()
+    assert (run / "checkpoints" / "step_000000003" / "COMPLETE").is_file()
+    assert _steps(run) == [1, 2, 3]
+
+
+def test_cancelled_job_resumes_from_its_checkpoint_when_resubmitted(cluster: str, model: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    first, _ = _submit(run, model, 8, wait=False)
+    deadline = time.monotonic() + 600
+    while not (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file():
+        assert time.monotonic() < deadline and not _job_gone(first), "no checkpoint before the job ended"
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(first)], check=True)
+    while not _job_gone(first):
+        assert time.monotonic() < deadline, "scancel did not stop the job"
+        time.sleep(0.5)
+    time.sleep(2)
+    leftover = subprocess.run(["pgrep", "-f", f"trainer.output_dir={run}"], capture_output=True, text=True)
+    assert not leftover.stdout.strip(), "processes of the cancelled job are still running"
+    done_before = max(_steps(run))
+    assert done_before < 8, "the job finished before it was cancelled: nothing to resume"
+
+    second, proc = _submit(run, model, 8, wait=True)
+    assert proc.returncode == 0, (tmp_path / f"job-{second}.out").read_text()[-3000:]
+    trainer_log = next((run / "logs" / f"{second}_0").glob("trainer_*.log")).read_text()
+    resumed = int(trainer_log.split("at step ")[1].split()[0])
+    assert f"resumed from {run / 'checkpoints'}" in trainer_log and resumed >= 2
+    steps = _steps(run)
+    assert steps[-(8 - resumed) :] == list(range(resumed + 1, 9)), steps  # continued right after the checkpoint
+    assert (run / "checkpoints" / "step_000000008" / "COMPLETE").is_file()
+    print(f"\nSLURM: job {first} cancelled after step {done_before}; job {second} resumed at step {resumed}")
