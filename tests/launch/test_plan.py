@@ -1,0 +1,127 @@
+"""`megatron-rl launch --dry-run`: rank coordinates equal Megatron-Core's own rank groups, node roles for
+colocated and disaggregated jobs, memory arithmetic, and impossible plans refused with their reasons."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.launch.plan import ClusterSpec, PlanError, make_plan, shell_plan
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN30B = REPO / "examples" / "hf_configs" / "qwen3_30b_a3b.json"
+QWEN235B = REPO / "examples" / "hf_configs" / "qwen3_235b_a22b.json"
+
+
+def _hf(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _cfg(example: str, *overrides: str):
+    return load_config(REPO / "examples" / example, list(overrides))
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "ep", "etp", "nodes", "gpus"),
+    [(1, 1, 8, 1, 1, 8), (2, 1, 8, 1, 2, 8), (2, 2, 4, 1, 2, 8), (4, 2, 2, 2, 4, 8), (1, 4, 2, 1, 1, 8)],
+)
+def test_rank_coordinates_match_megatron_rank_generator(tp, pp, ep, etp, nodes, gpus) -> None:
+    from megatron.core.parallel_state import RankGenerator
+
+    cfg = _cfg("qwen3_30b_a3b_gspo_8xh100.yaml", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}",
+               f"parallel.etp={etp}", "rollout.engine=local")  # fmt: skip
+    plan = make_plan(cfg, _hf(QWEN30B), ClusterSpec(nodes, gpus, gpu_memory_gib=10_000))
+    lay = plan.layout
+    dense = RankGenerator(tp=tp, ep=1, dp=lay.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=lay.expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    checks = [("tp", dense, "tp"), ("dp", dense, "dp"), ("pp", dense, "pp"), ("tp", expert, "etp"),
+              ("ep", expert, "ep"), ("dp", expert, "edp")]  # fmt: skip
+    for name, generator, coordinate in checks:
+        for group in generator.get_ranks(name):
+            # Inside one Megatron group, ranks differ exactly in this coordinate, which counts 0, 1, 2, ...
+            assert [getattr(plan.ranks[r], coordinate) for r in group] == list(range(len(group))), (name, group)
+    assert [r.node for r in plan.ranks] == [r // gpus for r in range(nodes * gpus)]
+
+
+def test_colocated_two_nodes_places_servers_and_router_on_every_node() -> None:
+    cfg = _cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml")
+    plan = make_plan(cfg, _hf(QWEN30B), ClusterSpec(2, 8, 80))
+    assert plan.mode == "colocated" and plan.trainer_nodes == [0, 1] and plan.rollout_nodes == [0, 1]
+    assert [(s.node, s.gpus) for s in plan.servers] == [(0, tuple(range(8))), (1, tuple(range(8)))]
+    assert plan.router == (0, 30100)
+    assert plan.memory.total <= plan.memory.budget
+    shell = shell_plan(plan, cfg)
+    assert "PLAN_TRAIN_NODES='0 1'" in shell and "PLAN_SERVERS_PER_NODE=1" in shell and "PLAN_ROUTER_NODE=0" in shell
+
+
+def test_memory_arithmetic_of_the_30b_example_by_hand() -> None:
+    """Qwen3-30B-A3B at tp=2, ep=16, etp=1 on 16 GPUs: every number recomputed here from the config."""
+    cfg = _cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml")
+    plan = make_plan(cfg, _hf(QWEN30B), ClusterSpec(2, 8, 80))
+    h, layers, experts, inter, vocab = 2048, 48, 128, 768, 151936
+    attention = 2 * h * 32 * 128 + 2 * h * 4 * 128 + 2 * 128 + 2 * h
+    expert_params = experts * 3 * h * inter
+    total = layers * (attention + experts * h + expert_params) + 2 * vocab * h + h
+    assert plan.params["total"] == total  # 30.5 B
+    assert abs(total / 1e9 - 30.53) < 0.01
+    dense = layers * (attention + experts * h) / 2 + vocab * h / 2 * 2  # tp=2; pp=1 holds embedding and head
+    expert = layers * expert_params / 16
+    assert plan.memory.weights == pytest.approx((dense + expert) * 2)
+    assert plan.memory.optimizer == pytest.approx(dense * 12 / 8 + expert * 12 / 1)  # dp=8, expert-dp=1
+
+
+@pytest.mark.parametrize(
+    ("example", "overrides", "cluster", "reasons"),
+    [
+        ("qwen3_30b_a3b_gspo_8xh100.yaml", (), ClusterSpec(1, 8, 80), ["training needs ~"]),
+        ("qwen3_30b_a3b_gspo_8xh100.yaml", ("parallel.tp=3",), ClusterSpec(1, 8, 80),
+         ["not divisible by tp*pp*cp = 3"]),
+        ("qwen3_30b_a3b_gspo_8xh100.yaml", ("parallel.ep=16",), ClusterSpec(1, 8, 80),
+         ["expert parallelism does not fold"]),
+        ("qwen3_30b_a3b_gspo_8xh100.yaml", ("rollout.sglang.tp_size=3",), ClusterSpec(1, 8, 10_000),
+         ["rollout.sglang.tp_size=3 does not divide 8"]),
+        ("qwen3_235b_a22b_gspo_disaggregated.yaml", (), ClusterSpec(8, 8, 80, rollout_nodes=0),
+         ["needs 1 <= --rollout-nodes < --nodes"]),
+        ("qwen3_235b_a22b_gspo_disaggregated.yaml", (), ClusterSpec(19, 8, 80, rollout_nodes=4),
+         ["120 training GPUs (15 nodes)", "expert parallelism does not fold"]),
+        ("qwen3_235b_a22b_gspo_disaggregated.yaml", ("rollout.sglang.tp_size=4",), ClusterSpec(20, 8, 80, 4),
+         ["rollout server's weights need 109.5 GiB per GPU but its share is 72.0 GiB"]),
+        ("tiny_moe_gspo.yaml", (), ClusterSpec(2, 1, 80, rollout_nodes=1),
+         ["rollout_nodes=1 with trainer.colocate=true"]),
+    ],
+)  # fmt: skip
+def test_impossible_plans_are_refused_with_every_reason(example, overrides, cluster, reasons) -> None:
+    hf = _hf(QWEN235B if "235b" in example else QWEN30B)
+    with pytest.raises(PlanError) as err:
+        make_plan(_cfg(example, *overrides), hf, cluster)
+    for reason in reasons:
+        assert reason in str(err.value), str(err.value)
+
+
+def test_disaggregated_235b_plan() -> None:
+    cfg = _cfg("qwen3_235b_a22b_gspo_disaggregated.yaml")
+    plan = make_plan(cfg, _hf(QWEN235B), ClusterSpec(20, 8, 80, rollout_nodes=4))
+    assert plan.mode == "disaggregated"
+    assert plan.trainer_nodes == list(range(16)) and plan.rollout_nodes == [16, 17, 18, 19]
+    assert plan.router == (16, 30100) and len(plan.servers) == 4
+    assert abs(plan.params["total"] / 1e9 - 235.1) < 0.5 and abs(plan.params["active"] / 1e9 - 22.2) < 0.5
+    assert plan.memory.total <= plan.memory.budget and plan.memory.sglang_weights <= plan.memory.sglang_budget
+
+
+def test_cli_dry_run_prints_the_plan_and_refuses_without_dry_run(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "megatron_rl.cli", "launch"]
+    ok = subprocess.run([*cli, "--dry-run", "examples/qwen3_235b_a22b_gspo_disaggregated.yaml", "--nodes", "20",
+                         "--gpus-per-node", "8", "--rollout-nodes", "4", "--hf-config", str(QWEN235B)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "disaggregated plan: 20 node(s) x 8 GPU(s)" in ok.stdout and "sglang-router on node 16" in ok.stdout
+    assert "gpu 7: rank 127" in ok.stdout
+    no = subprocess.run([*cli, "examples/tiny_moe_gspo.yaml", "--nodes", "1", "--gpus-per-node", "1"], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert no.returncode == 2 and "add --dry-run" in no.stderr
