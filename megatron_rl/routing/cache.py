@@ -53,14 +53,17 @@ class RouteCache:
         self.dtype = routes_dtype(num_experts)
         self._routes: dict[object, torch.Tensor] = {}
 
-    def put(self, key: object, routes: torch.Tensor | np.ndarray, *, num_tokens: int) -> None:
+    def put(self, key: object, routes: torch.Tensor | np.ndarray, *, num_tokens: int, recorded: bool = False) -> None:
         """Store `routes` `[num_tokens - 1, moe_layers, top_k]` for the sample `key` of `num_tokens` tokens.
 
         The row count is checked against the token count: an off-by-one between the engine's layout
-        and ours is an error, not a silent shift."""
+        and ours is an error, not a silent shift. Routes the trainer `recorded` itself may carry more rows:
+        the last token's and the padding its micro-batch fed; replaying those keeps a re-run bitwise equal
+        to the recording (every expert GEMM sees the same tokens)."""
         routes = torch.as_tensor(np.asarray(routes)) if not torch.is_tensor(routes) else routes
         expected = (num_tokens - 1, self.moe_layers, self.top_k)
-        if tuple(routes.shape) != expected:
+        rows_ok = routes.shape[0] >= expected[0] if recorded else routes.shape[0] == expected[0]
+        if not rows_ok or tuple(routes.shape[1:]) != expected[1:]:
             raise ValueError(
                 f"sample {key!r}: routes of shape {tuple(routes.shape)} for {num_tokens} tokens; expected "
                 f"{expected} (one row per token but the last, SGLang's routed_experts layout)"
@@ -89,10 +92,15 @@ class RouteCache:
 
     def batch_routes(self, keys: list, seq_len: int) -> torch.Tensor:
         """`[len(keys), seq_len, moe_layers, top_k]` for `TokenBatch.routes`: each sample's rows, then dummy
-        experts `0..k-1` for its last token and padding (never reaching a log-prob)."""
+        experts `0..k-1` for its last token and padding (never reaching a log-prob). A `None` key is a row
+        this rank never feeds (another data-parallel rank's): it gets dummy experts only."""
         out = torch.arange(self.top_k, dtype=self.dtype).expand(len(keys), seq_len, self.moe_layers, self.top_k)
         out = out.clone()
         for i, key in enumerate(keys):
+            if key is None:
+                continue
+            if key not in self._routes:
+                raise KeyError(f"no routes cached for sample {key!r}: it is not one this rank keeps")
             routes = self._routes[key]
             out[i, : routes.shape[0]] = routes
         return out

@@ -28,6 +28,7 @@ from megatron_rl.megatron_backend.models import get_family
 from megatron_rl.megatron_backend.reference import reference_from_hf
 from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.routing.agreement import mean_route_metrics
+from megatron_rl.routing.cache import RouteCache
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
 from megatron_rl.trainer.run_log import RunLog
@@ -135,29 +136,30 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
     advantages = compute_advantages(
         algo.advantage, rewards, cfg.rollout.n_samples, **advantage_options(algo.advantage, algo.norm_adv_by_std)
     )
-    r3 = algo.routing_replay == "R3"
-    batch = samples_to_batch(samples, advantages=advantages, with_routes=r3)
+    batch = samples_to_batch(samples, advantages=advantages)
 
     # 3. Mini-batches of the first epoch are fixed now: old-policy log-probs are computed on exactly the
     #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0).
+    #    Routes (R2: recorded here; R3: the rollout engine's) live in a host cache holding only the samples
+    #    this data-parallel rank feeds, and are sliced per mini-batch.
     epochs = [mini_batch_partition(cfg, step, epoch, batch.size) for epoch in range(algo.ppo_epochs)]
     t = time.perf_counter()
-    r2 = algo.routing_replay == "R2"
+    r2, r3 = algo.routing_replay == "R2", algo.routing_replay == "R3"
+    routes = RouteShard(actor, epochs) if r2 or r3 else None
+    if r3:
+        routes.put_rollout(samples)
     batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
     entropy = torch.zeros_like(batch.fields["loss_mask"])
-    if r2:
-        batch.routes = None
     rollout_routing = []  # R3: the rollout engine's routes vs the routes the trainer's weights choose
     for part in epochs[0]:
-        scored = actor.compute_log_probs(select(batch, part), with_entropy=True, record_routes=r2, replay_routes=r3)
+        mb = routes.attach(select(batch, part), part) if r3 else select(batch, part)
+        scored = actor.compute_log_probs(mb, with_entropy=True, record_routes=r2, replay_routes=r3)
         if r3 and actor.last_route_agreement is not None:
             rollout_routing.append(actor.last_route_agreement.as_metrics("routing/rollout_", actor.dims.moe_layers))
         batch.fields["old_log_probs"][part] = scored.log_probs
         entropy[part] = scored.entropy
         if r2:
-            if batch.routes is None:
-                batch.routes = torch.zeros((batch.size, *scored.routes.shape[1:]), dtype=scored.routes.dtype)
-            batch.routes[part] = scored.routes
+            routes.put_recorded(part, scored.routes, batch.lengths[part])
     if reference is not None:  # on the same micro-batches too: policy == reference gives KL exactly 0
         batch.fields["ref_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
         with reference.swapped_in() as ref_actor:
@@ -165,11 +167,18 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
                 batch.fields["ref_log_probs"][part] = ref_actor.compute_log_probs(select(batch, part)).log_probs
     timings["time/old_logp"] = time.perf_counter() - t
     metrics = {**rollout_metrics, **mismatch_metrics(batch, batch.fields["old_log_probs"], entropy)}
+    if routes is not None:
+        metrics.update(routes.metrics())
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     t = time.perf_counter()
     updates = [
-        actor.train_step(select(batch, part), loss_fn, with_entropy=True, replay_routes=algo.routing_replay != "off")
+        actor.train_step(
+            routes.attach(select(batch, part), part) if routes else select(batch, part),
+            loss_fn,
+            with_entropy=True,
+            replay_routes=routes is not None,
+        )
         for parts in epochs
         for part in parts
     ]
@@ -227,6 +236,54 @@ def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list
             return outcome
         restarts += 1
         sync_weights(actor, engine, cfg, version=f"step-{step - 1}")  # collective: every rank exports
+
+
+class RouteShard:
+    """This data-parallel rank's routes of one step's batch (R2/R3), in a compact host `RouteCache`.
+
+    The actor feeds rows `rank, rank + dp, ...` of every mini-batch it is given, so a rank needs the routes
+    of exactly those samples, over all epochs' partitions; other ranks' rows get placeholder experts that
+    are never fed."""
+
+    def __init__(self, actor: MegatronActor, epochs: list[list[list[int]]]):
+        from megatron.core import parallel_state as ps
+
+        self.rank, self.size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.mine = {part[j] for parts in epochs for part in parts for j in range(self.rank, len(part), self.size)}
+        dims = actor.dims
+        self.cache = RouteCache(len(dims.moe_layers), dims.top_k, dims.num_experts)
+
+    def put_rollout(self, samples: list) -> None:
+        """R3: the engine's routes (SGLang layout) of this rank's samples."""
+        for i in sorted(self.mine):
+            if samples[i].routed_experts is None:
+                raise ValueError(f"sample {i} has no routed_experts but routing replay R3 is on")
+            self.cache.put(i, samples[i].routed_experts, num_tokens=len(samples[i].tokens))
+
+    def put_recorded(self, part: list[int], recorded: torch.Tensor, lengths: torch.Tensor) -> None:
+        """R2: the routes the old-policy pass recorded (`[rows, seq, layers, k]`), this rank's rows only."""
+        # Keep every row the micro-batch fed (the last token's and its padding; unfed rows read as one
+        # repeated expert), so the first update's replay re-runs the recording bitwise.
+        ordered = recorded.sort(-1).values
+        fed = (ordered[..., 1:] != ordered[..., :-1]).all(-1).all(-1)  # [rows, seq]
+        for j, i in enumerate(part):
+            if i in self.mine:
+                n = int(lengths[j])
+                width = max(n, int(fed[j].nonzero().max()) + 1 if fed[j].any() else n)
+                self.cache.put(i, recorded[j, :width], num_tokens=n, recorded=True)
+
+    def attach(self, mini_batch: TokenBatch, part: list[int]) -> TokenBatch:
+        keys = [i if j % self.size == self.rank else None for j, i in enumerate(part)]
+        mini_batch.routes = self.cache.batch_routes(keys, mini_batch.input_ids.shape[1])
+        return mini_batch
+
+    def metrics(self) -> dict[str, float]:
+        tokens = sum(self.cache.get(k).shape[0] for k in self.mine if k in self.cache)
+        return {
+            "routing/cache_samples": float(len(self.cache)),
+            "routing/cache_mib": self.cache.nbytes / 2**20,
+            "routing/cache_bytes_per_token": self.cache.nbytes / max(tokens, 1),
+        }
 
 
 def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> list[list[int]]:

@@ -177,6 +177,33 @@ def test_loop_under_torchrun_matches_single_process(model_dir: Path, tmp_path: P
         assert abs(ra["actor/grad_norm"] - rb["actor/grad_norm"]) < 1e-3 * max(1.0, ra["actor/grad_norm"])
 
 
+@pytest.mark.torchrun
+@pytest.mark.parametrize("replay", ["R2", "R3"])
+def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(model_dir: Path, tmp_path: Path, replay: str) -> None:
+    """R2/R3 under torchrun at DP=2: each rank's route cache holds only the samples it feeds (half the batch,
+    uint8), the first update's ratio is exactly 1 and the losses equal the single-process run's."""
+    common = ["trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+              "trainer.save_every=0", "logging.plot=false", "logging.wandb=false", "algo.preset=grpo",
+              f"algo.routing_replay={replay}", "rollout.prompts_per_step=4"]  # fmt: skip
+    single, dp2 = tmp_path / "single", tmp_path / "dp2"
+    _train(single, model_dir, *common)
+    run_torchrun(
+        Path(__file__).parents[2] / "megatron_rl" / "cli.py",
+        2,
+        ["train", str(EXAMPLE), f"trainer.output_dir={dp2}", f"model.hf_path={model_dir}", *FAST, *common],
+        timeout=600,
+    )
+    a, b = _history(single), _history(dp2)
+    for ra, rb in zip(a, b, strict=True):
+        batch = 4 * 8  # prompts_per_step x n_samples
+        assert ra["routing/cache_samples"] == batch and rb["routing/cache_samples"] == batch // 2
+        assert rb["routing/cache_mib"] < ra["routing/cache_mib"]
+        assert ra["actor/ppo_kl_first"] == rb["actor/ppo_kl_first"] == 0.0
+        assert ra["rollout/reward_mean"] == rb["rollout/reward_mean"]
+        assert abs(ra["actor/pg_loss"] - rb["actor/pg_loss"]) < 1e-5
+        assert rb["routing/agreement"] > 0.9
+
+
 def test_logprobs_from_training_checkpoint_in_other_layouts(model_dir: Path, tmp_path: Path) -> None:
     """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote, at TP=1 and TP=2 alike."""
     from tests.actor.hf_reference import make_samples
