@@ -41,9 +41,16 @@ setup(
         # GPU-only; never installable on a CPU-only machine (needs a CUDA build of torch).
         "gpu": ["transformer-engine[pytorch]>=2.8", "triton>=3.3"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
+        "data": ["pyarrow>=15"],  # Parquet prompt datasets
         # triton runs the kernels' tests under its CPU interpreter (TRITON_INTERPRET=1); 3.7.1 is the version
         # torch 2.13's CUDA build pins.
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton==3.7.1; platform_machine == 'x86_64'"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "ruff>=0.6",
+            "triton==3.7.1; platform_machine == 'x86_64'",
+            "pyarrow>=15",
+        ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

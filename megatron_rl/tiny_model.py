@@ -44,6 +44,19 @@ class TinyQwen3MoeSpec:
     initializer_range: float = 0.05
 
 
+# A larger tiny model for benchmarks (~6 M parameters, ~25 MB in fp32): compute and transfers dominate overheads.
+BENCH_SPEC = TinyQwen3MoeSpec(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    num_experts=16,
+)
+
+
 def build_char_tokenizer(vocab_size: int = 128):
     """A character-level `PreTrainedTokenizerFast`: special tokens, printable ASCII, then reserved fillers."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

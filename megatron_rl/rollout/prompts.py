@@ -75,7 +75,9 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from err
+        raise ImportError(
+            f"reading {path} needs pyarrow, which is not installed: pip install 'megatron-rl[data]' (or pyarrow)"
+        ) from err
     yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 

@@ -102,9 +102,8 @@ def train(cfg: RLConfig) -> TrainResult:
             if cfg.data.eval and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
                 if rank0:
                     metrics.update(evaluate(cfg, engine, data, tokenizer))
-            if log is not None:
-                log.log(step, metrics)
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                t = time.perf_counter()
                 checkpoint.save_checkpoint(
                     actor,
                     ckpt_root,
@@ -112,6 +111,9 @@ def train(cfg: RLConfig) -> TrainResult:
                     {"step": step, "sft_done": True, "data": data.state_dict()},
                     keep_last=cfg.trainer.keep_last or 10**9,
                 )
+                metrics["time/checkpoint"] = time.perf_counter() - t
+            if log is not None:
+                log.log(step, metrics)
         plots = log.close() if log is not None else []
         return TrainResult(output_dir, log.history if log is not None else [], plots)
     finally:

@@ -86,10 +86,12 @@ def _worst(got: list[dict], ref: list[dict]) -> float:
 
 
 @pytest.mark.torchrun
-def test_converted_checkpoint_matches_transformers_at_tp1_and_tp2_pp2_ep2(tiny_moe_dir: Path, tmp_path: Path):
-    hf_to_megatron(tiny_moe_dir, tmp_path / "megatron")
+@pytest.mark.parametrize("case", ["qwen3_mixed_dense_untied", "qwen2_moe", "mixtral"])
+def test_converted_checkpoint_matches_transformers_at_tp1_and_tp2_pp2_ep2(case: str, cases: dict, tmp_path: Path):
+    source = cases[case]
+    hf_to_megatron(source, tmp_path / "megatron")
     samples = make_samples(vocab=128, n=3, seed=11)
-    ref = hf_score(tiny_moe_dir, samples)
+    ref = hf_score(source, samples)
     assert _worst(_logprobs(tmp_path / "megatron", samples, tmp_path), ref) < 1e-4
     layout = ("--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1")
     assert _worst(_logprobs(tmp_path / "megatron", samples, tmp_path, 4, layout), ref) < 1e-4

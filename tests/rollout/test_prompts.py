@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.optional_deps import is_available
 from megatron_rl.rollout.prompts import Prompt, PromptIterator, load_prompts
 
 
@@ -60,23 +59,28 @@ def test_max_prompt_tokens_drops_long_prompts(tmp_path: Path, tokenizer):
     assert [p.answer for p in load_prompts(path, tokenizer, max_prompt_tokens=5)] == ["3", "5"]
 
 
+def test_parquet_reads_like_jsonl(tmp_path: Path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"q": "12+30=", "a": "42", "extra": i} for i in range(3)] + [{"q": "7*6=", "a": "42", "extra": 9}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    from_parquet = load_prompts(tmp_path / "p.parquet", tokenizer, prompt_key="q", answer_key="a")
+    from_jsonl = load_prompts(_write_jsonl(tmp_path / "p.jsonl", rows), tokenizer, prompt_key="q", answer_key="a")
+    assert [(p.token_ids, p.answer) for p in from_parquet] == [(p.token_ids, p.answer) for p in from_jsonl]
+    assert from_parquet[3].token_ids == tokenizer("7*6=", add_special_tokens=False)["input_ids"]
+    pq.write_table(pa.Table.from_pylist([{"q": "1+1=", "a": "2"}, {"q": None, "a": "3"}]), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="row 2"):
+        load_prompts(tmp_path / "b.parquet", tokenizer, prompt_key="q", answer_key="a")
+
+
 def test_parquet_without_pyarrow_names_the_install(tmp_path: Path, tokenizer, monkeypatch):
     path = tmp_path / "p.parquet"
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed (None in sys.modules: ImportError)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(ImportError, match=r"pip install 'megatron-rl\[data\]'"):
         load_prompts(path, tokenizer)
-
-
-@pytest.mark.skipif(not is_available("pyarrow"), reason="pyarrow is not installed")
-def test_parquet(tmp_path: Path, tokenizer):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"prompt": ["ab", "c"], "answer": ["1", "2"]}), tmp_path / "p.parquet")
-    prompts = load_prompts(tmp_path / "p.parquet", tokenizer)
-    assert [(p.text, p.answer) for p in prompts] == [("ab", "1"), ("c", "2")]
 
 
 def _prompts(n: int) -> list[Prompt]:
