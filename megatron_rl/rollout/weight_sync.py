@@ -306,20 +306,15 @@ class DistributedWeightSync:
 
 def _new_process_group(backend: str, host: str, port: int, world_size: int, group_name: str, timeout_s: float):
     """Rank 0 of a process group outside the default one, compatible with SGLang's `init_custom_process_group`."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+    # The store is made here, not by `rendezvous("tcp://...")`: under torchrun that would only connect to
+    # torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting the servers' rendezvous.
+    store = PrefixStore(group_name, TCPStore(host, port, world_size, is_master=True, timeout=timeout))
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+        world_size, 0, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

@@ -1,5 +1,6 @@
 # Shared parts of the SLURM templates (sourced by colocated.sbatch and disaggregated.sbatch).
-# Expects: PYTHON, SGLANG_PYTHON, RUN_DIR, LOG_DIR, GPUS_PER_NODE, MASTER_PORT, HEALTH_TIMEOUT, NODES (array).
+# Expects: PYTHON, SGLANG_PYTHON, RUN_DIR, LOG_DIR, GPUS_PER_NODE, MASTER_PORT, HEALTH_TIMEOUT, NODES (array);
+# optional SGLANG_EXTRA_ARGS (further sglang.launch_server flags, space-separated).
 
 CHILD_PIDS=()
 SERVER_URLS=()
@@ -58,8 +59,10 @@ wait_healthy() {  # wait_healthy URL PATH PID: until URL+PATH answers, the proce
 # PLAN_SERVER_TP GPUs), then sglang-router when the plan has one. Sets SERVER_URLS and ROUTER_URL.
 start_sglang_servers() {
     local index node s port first pid
-    local r3=()
-    [ -n "$PLAN_R3" ] && r3=(--enable-return-routed-experts)
+    local flags=()
+    [ -n "$PLAN_R3" ] && flags+=(--enable-return-routed-experts)
+    # shellcheck disable=SC2206
+    [ -n "${SGLANG_EXTRA_ARGS:-}" ] && flags+=($SGLANG_EXTRA_ARGS)
     for index in $1; do
         node="${NODES[$index]}"
         for s in $(seq 0 $((PLAN_SERVERS_PER_NODE - 1))); do
@@ -69,7 +72,7 @@ start_sglang_servers() {
                 env CUDA_VISIBLE_DEVICES="$(seq -s, "$first" $((first + PLAN_SERVER_TP - 1)))" \
                 "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$PLAN_MODEL_PATH" --host 0.0.0.0 \
                 --port "$port" --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
-                --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${r3[@]}" &
+                --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${flags[@]}" &
             CHILD_PIDS+=("$!")
             SERVER_URLS+=("http://$node:$port")
         done
@@ -100,7 +103,8 @@ run_trainer() {
     shift 3
     log "trainer: $nnodes node(s) x $GPUS_PER_NODE ranks, rendezvous $head:$MASTER_PORT"
     # shellcheck disable=SC2086
-    srun --overlap --nodes="$nnodes" --ntasks-per-node=1 --nodelist="${nodelist// /,}" --kill-on-bad-exit=1 \
+    srun --overlap --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --nodelist="${nodelist// /,}" \
+        --kill-on-bad-exit=1 \
         --output="$LOG_DIR/trainer_%N.log" \
         "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$head:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \

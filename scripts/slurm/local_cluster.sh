@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# A single-node SLURM cluster on this machine, for the SLURM test tier (and for trying the templates).
+# A SLURM cluster of two nodes, n1 and n2, both on this machine, for the SLURM test tier (and for trying
+# the templates): two slurmd daemons (`slurmd -N`), each node with this host's CPU count and memory.
 #
-# Installs Debian's slurm-wlm and munge when missing, writes /etc/slurm/slurm.conf for this host (its
-# real CPU count and memory, one partition), starts munged, slurmctld and slurmd, and waits until the node
-# is idle. Idempotent: a running cluster is restarted with the fresh config. Needs root (CI, containers).
+# Installs Debian's slurm-wlm and munge when missing, maps n1 and n2 to 127.0.0.1 in /etc/hosts, writes
+# /etc/slurm/slurm.conf (one partition of both nodes), starts munged, slurmctld and the two slurmd, and
+# waits until both nodes are idle. Idempotent: a running cluster is restarted with the fresh config.
+# Needs root (CI, containers).
 # Usage: bash scripts/slurm/local_cluster.sh [start|stop]
 set -euo pipefail
 ACTION="${1:-start}"
@@ -31,8 +33,10 @@ chmod 0700 /etc/munge
 pgrep -x munged >/dev/null || su -s /bin/sh munge -c /usr/sbin/munged 2>/dev/null || /usr/sbin/munged --force
 
 HOST="$(hostname -s)"
-NODE_LINE="$(slurmd -C | head -1 | sed 's/ UpTime=.*//')"
-mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd "$LOG"
+NODES=(n1 n2)
+HARDWARE="$(slurmd -C | head -1 | sed -e 's/^NodeName=[^ ]* //' -e 's/ UpTime=.*//')"
+grep -qE "^127\.0\.0\.1[[:space:]].*\bn1\b" /etc/hosts || echo "127.0.0.1 n1 n2" >> /etc/hosts
+mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd-n1 /var/spool/slurmd-n2 "$LOG"
 cat > /etc/slurm/slurm.conf <<CONF
 ClusterName=megatronrl
 SlurmctldHost=${HOST}(127.0.0.1)
@@ -40,11 +44,11 @@ AuthType=auth/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd-%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=${LOG}/slurmctld.log
-SlurmdLogFile=${LOG}/slurmd.log
+SlurmdLogFile=${LOG}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -60,17 +64,18 @@ KillWait=10
 MinJobAge=3600
 SlurmctldTimeout=30
 SlurmdTimeout=30
-${NODE_LINE} NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+NodeName=n1 NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=6821 ${HARDWARE} State=UNKNOWN
+NodeName=n2 NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=6822 ${HARDWARE} State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
 
 stop
 /usr/sbin/slurmctld -i
-/usr/sbin/slurmd
+for node in "${NODES[@]}"; do /usr/sbin/slurmd -N "$node"; done
 for _ in $(seq 1 60); do
-    state="$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)"
-    [ "$state" = idle ] && { echo "SLURM ready: node $HOST idle"; exit 0; }
-    scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
+    state="$(sinfo -h -o %T 2>/dev/null | sort -u | tr '\n' ' ')"
+    [ "$state" = "idle " ] && { echo "SLURM ready: nodes ${NODES[*]} idle"; exit 0; }
+    scontrol update nodename=n1,n2 state=resume >/dev/null 2>&1 || true
     sleep 1
 done
 echo "SLURM did not become ready; node state: '$state'" >&2

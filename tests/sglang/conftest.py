@@ -6,11 +6,11 @@ The SGLang Python is `$MEGATRON_RL_SGLANG_PYTHON`, else `.venv-sglang/bin/python
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from sglang_cpu_support import sglang_python
 
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
@@ -19,11 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sglang: needs the SGLang CPU venv (scripts/install_sglang_cpu.sh)")
-
-
-def sglang_python() -> str | None:
-    python = os.environ.get("MEGATRON_RL_SGLANG_PYTHON") or str(REPO / ".venv-sglang" / "bin" / "python")
-    return python if Path(python).exists() else None
 
 
 @pytest.fixture(scope="session")

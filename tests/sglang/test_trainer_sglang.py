@@ -112,18 +112,14 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
     """The trainer launches its own server; it is SIGKILLed after step 1. The run restarts it, re-sends the
     current weights, retries the rollout and finishes every step."""
     import os
-    import shlex
     import signal
     import time
 
-    from sglang_cpu_support import cpu_launch_env
+    from sglang_cpu_support import cpu_python_wrapper
 
     from megatron_rl.rollout.sglang_server import free_port
 
-    wrapper = tmp_path / "sglang_python"  # the CPU shims' environment for the servers only, not the trainer
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in cpu_launch_env().items())
-    wrapper.write_text(f'#!/bin/sh\n{exports}exec {shlex.quote(sglang_py)} "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = cpu_python_wrapper(tmp_path / "sglang_python", sglang_py)  # the servers' environment only
     port, out = free_port(), tmp_path / "run"
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",

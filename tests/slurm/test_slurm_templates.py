@@ -99,3 +99,52 @@ def test_cancelled_job_resumes_from_its_checkpoint_when_resubmitted(cluster: str
     assert steps[-(8 - resumed) :] == list(range(resumed + 1, 9)), steps  # continued right after the checkpoint
     assert (run / "checkpoints" / "step_000000008" / "COMPLETE").is_file()
     print(f"\nSLURM: job {first} cancelled after step {done_before}; job {second} resumed at step {resumed}")
+
+
+@pytest.fixture(scope="module")
+def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The SGLang venv's Python in the CPU environment of the SGLang tier (its stand-ins), or skip."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "sglang"))
+    from sglang_cpu_support import cpu_python_wrapper
+    from sglang_cpu_support import sglang_python as find_sglang
+
+    found = find_sglang()
+    if found is None:
+        pytest.skip("SGLang venv absent: run `bash scripts/install_sglang_cpu.sh`")
+    return str(cpu_python_wrapper(tmp_path_factory.mktemp("sglang") / "python", found))
+
+
+def test_disaggregated_job_trains_on_n1_and_serves_on_n2(cluster: str, model: Path, sglang_python: str,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    """scripts/slurm/disaggregated.sbatch on 2 nodes: n1 trains (1 rank), n2 runs a real SGLang server (CPU);
+    weights go from the trainer to the server over a gloo broadcast group after warm-up and every step."""
+    run = tmp_path / "run"
+    overrides = (
+        f"model.hf_path={model} warmup.sft_steps=100 warmup.sft_lr=2e-3 trainer.steps=2 trainer.save_every=1 "
+        "rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false"
+    )
+    env = {**os.environ, "CONFIG": "examples/tiny_moe_gspo.yaml", "RUN_DIR": str(run), "GPUS_PER_NODE": "1",
+           "ROLLOUT_NODES": "1", "OVERRIDES": overrides, "SGLANG_PYTHON": sglang_python, "HEALTH_TIMEOUT": "300",
+           "SGLANG_EXTRA_ARGS": "--device cpu --dtype float32 --disable-overlap-schedule --max-total-tokens 4096 "
+                                "--skip-server-warmup"}  # fmt: skip
+    cmd = ["sbatch", "--parsable", "--wait", "--nodes=2", "--cpus-per-task=2", "--export=ALL",
+           f"--output={tmp_path / 'job-%j.out'}", str(REPO / "scripts" / "slurm" / "disaggregated.sbatch")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    job = int(proc.stdout.strip().splitlines()[0].split(";")[0])
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert proc.returncode == 0, out[-3000:]
+    logs = run / "logs" / f"{job}_0"
+    plan = (logs / "plan.txt").read_text()
+    assert "disaggregated plan: 2 node(s) x 1 GPU(s)" in plan and "node 1: port 30000" in plan
+    assert "SGLang servers healthy: http://n2:30000" in out
+    trainer_logs = list(logs.glob("trainer_*.log"))  # named by host: both nodes are this machine
+    assert (logs / "sglang_n2_30000.log").is_file() and len(trainer_logs) == 1
+    assert "step 2/2" in trainer_logs[0].read_text()
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2]
+    for r in history:
+        assert r["actor/ppo_kl_first"] == 0.0
+        assert r["mismatch/logp_abs_diff"] < 1e-3  # the served weights are the trainer's (fp32 both sides)
+    assert (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file()
