@@ -329,8 +329,13 @@ class DiskWeightSync:
     base_model_dir: str = ""  # non-weight files (config, tokenizer) to copy; "" = the served model_path
     keep: bool = False  # keep the written checkpoint after the update
 
+    def __post_init__(self) -> None:
+        # The served model's own directory, read once: after an update the server reports the (deleted)
+        # temporary directory as its model_path.
+        self._base = self.base_model_dir
+
     def reset(self, live_urls: list[str]) -> None:
-        """Stateless between updates: nothing to forget after a server restart."""
+        """Nothing to forget after a server restart (it serves its original model_path again)."""
 
     def update(
         self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
@@ -342,7 +347,9 @@ class DiskWeightSync:
         start = time.perf_counter()
         out = Path(self.directory or tempfile.mkdtemp(prefix="megatron_rl_weights_"))
         out.mkdir(parents=True, exist_ok=True)
-        base = Path(self.base_model_dir or request_json(urls[0], "/model_info", timeout_s=timeout_s)["model_path"])
+        if not self._base:
+            self._base = request_json(urls[0], "/model_info", timeout_s=timeout_s)["model_path"]
+        base = Path(self._base)
         for f in base.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)

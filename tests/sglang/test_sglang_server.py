@@ -222,6 +222,14 @@ def test_weight_sync_disk(engine: SGLangEngine, tiny_models, tmp_path):
     _sync_and_check(engine, DiskWeightSync(directory=str(tmp_path / "ckpt")), tiny_models["d"], "v3-disk")
 
 
+def test_weight_sync_disk_temporary_directories_twice(engine: SGLangEngine, tiny_models):
+    """Each update writes a fresh temporary directory and deletes it afterwards; the server then reports that
+    deleted directory as its model_path, so the second update must not read its config files from there."""
+    sync = DiskWeightSync()
+    _sync_and_check(engine, sync, tiny_models["b"], "v4-disk-tmp")
+    _sync_and_check(engine, sync, tiny_models["d"], "v5-disk-tmp")
+
+
 def test_router_in_front(servers: SGLangServers):
     try:
         start = time.perf_counter()
