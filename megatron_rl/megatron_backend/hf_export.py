@@ -15,17 +15,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.conversion import HF_EXTRA_FILES
 
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-)
+COPIED_FILES = ("config.json", *HF_EXTRA_FILES)
 
 
 def save_hf_checkpoint(actor: MegatronActor, out_dir: str | Path, source_dir: str | Path, *, bucket_mb: int = 2048):
