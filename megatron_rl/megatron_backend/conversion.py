@@ -17,6 +17,7 @@ with the architecture in `hf_config.json` and the HF extras (tokenizer, generati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,7 +96,7 @@ def hf_to_megatron(
     check_hf_tensors(hf, index, hf_dir)
     target = _resolve_dtype(dtype, hf)
     tmp = _fresh_tmp(out_dir)
-    with _single_process_megatron(hf):
+    with _single_process_megatron():
         model = _meta_model(hf, target)
         params = {_canonical(name): p for name, p in model.named_parameters()}
         source = _HFTensorSource(index, _rules_by_name(family, hf), params, hf)
@@ -271,7 +272,7 @@ def megatron_to_hf(
     tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     tensors = total = largest = 0
-    with _single_process_megatron(hf):
+    with _single_process_megatron():
         model = _meta_model(hf, _stored_dtype(path / "megatron"))
         for shard, group in enumerate(_groups(model.sharded_state_dict(), bucket_mb << 20), start=1):
             file = f"model-{shard:05d}.safetensors"
@@ -357,24 +358,19 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- shared
-class _single_process_megatron:
+@contextlib.contextmanager
+def _single_process_megatron() -> Iterator[None]:
     """Megatron's parallel state at TP = PP = EP = 1 in this process (gloo), torn down on exit."""
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
-    def __init__(self, hf: HFConfig):
-        self.hf = hf
-
-    def __enter__(self) -> None:
-        from megatron_rl.megatron_backend.distributed import init_distributed
-        from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
-
-        if torch.distributed.is_initialized():
-            raise RuntimeError("conversion runs in one process of its own (not under torchrun)")
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if torch.distributed.is_initialized():
+        raise RuntimeError("conversion runs in one process of its own (not under torchrun)")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
         init_distributed(ParallelLayout(), seed=0)
-
-    def __exit__(self, *exc) -> None:
-        from megatron_rl.megatron_backend.distributed import shutdown
-
+        yield
+    finally:
         shutdown()
 
 
