@@ -10,7 +10,8 @@
 # What it checks, all on CUDA: the Qwen3-MoE HF parity of `megatron-rl logprobs` (log-probs, entropy,
 # routed experts vs transformers), the single-process actor invariants (export bitwise, ppo_kl == 0 on
 # the first update, loss falls, reference swap), with the TE layer spec when Transformer Engine imports
-# and the local spec otherwise.
+# and the local spec otherwise; the kernel tests compiled by Triton (not the interpreter) and the log-prob
+# kernel benchmark (time, peak memory, GB/s against HBM; JSON copied to $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -31,5 +32,7 @@ python3 -m pytest -q -p no:cacheprovider \
     tests/actor/test_logprobs_cli.py::test_logprobs_match_transformers \
     tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
     tests/actor/test_layouts.py::test_single_process_invariants \
-    tests/megatron/test_vocab_parallel.py 2>&1 | tee "$OUT/pytest.txt"
+    tests/megatron/test_vocab_parallel.py tests/kernels 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
+timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
+cp benchmarks/results/bench_logprob_*.json "$OUT/" 2>/dev/null || true
