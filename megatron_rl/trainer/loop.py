@@ -220,14 +220,16 @@ def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list
                 rollout = data.collect(engine, step)
                 outcome = (rollout.samples, {**rollout_metrics_of(rollout, cfg), "rollout/restarts": restarts})
             except RolloutEngineError as err:
-                if restarts >= cfg.rollout.restarts_per_step:
-                    outcome = err
-                else:
-                    restarted = engine.recover()
-                    print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
-                          flush=True)  # fmt: skip
-                    data.load_state_dict(position)
-                    outcome = "retry"
+                outcome = err
+                if restarts < cfg.rollout.restarts_per_step:
+                    try:
+                        restarted = engine.recover()
+                        print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
+                              flush=True)  # fmt: skip
+                        data.load_state_dict(position)
+                        outcome = "retry"
+                    except RolloutEngineError as failed:  # reported to every rank below, so none waits forever
+                        outcome = failed
         outcome = broadcast_object(outcome)
         if isinstance(outcome, RolloutEngineError):
             raise RolloutEngineError(
@@ -237,7 +239,10 @@ def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list
         if outcome != "retry":
             return outcome
         restarts += 1
-        sync_weights(actor, engine, cfg, version=f"step-{step - 1}")  # collective: every rank exports
+        try:
+            sync_weights(actor, engine, cfg, version=f"step-{step - 1}")  # collective: every rank exports
+        except RolloutEngineError as err:  # rank 0 only: the engine is stale, the next try fails and counts
+            print(f"step {step}: re-sending the weights failed ({err})", flush=True)
 
 
 class RouteShard:
