@@ -177,9 +177,9 @@ class ParallelLayout:
         if num_layers is not None:
             chunks = self.pp * (self.vpp or 1)
             if num_layers % chunks:
-                what = f"pp*vpp = {self.pp}*{self.vpp}" if self.vpp else f"pp = {self.pp}"
+                what = f"pp*vpp = {self.pp}*{self.vpp} = {chunks}" if self.vpp else f"pp = {chunks}"
                 raise LayoutError(
-                    f"num_layers={num_layers} is not divisible by {what} = {chunks}: every "
+                    f"num_layers={num_layers} is not divisible by {what}: every "
                     "pipeline stage (and virtual stage) must hold the same number of layers"
                 )
         if is_moe and self.tp > 1 and not self.sequence_parallel:

@@ -86,15 +86,21 @@ def _worst(got: list[dict], ref: list[dict]) -> float:
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("case", ["qwen3_mixed_dense_untied", "qwen2_moe", "mixtral"])
-def test_converted_checkpoint_matches_transformers_at_tp1_and_tp2_pp2_ep2(case: str, cases: dict, tmp_path: Path):
+@pytest.mark.parametrize(
+    ("case", "nproc", "layout"),
+    [
+        ("qwen3_mixed_dense_untied", 4, ("--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1")),
+        ("mixtral", 4, ("--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1")),
+        ("qwen2_moe", 2, ("--tp", "2", "--ep", "2", "--etp", "1")),  # 3 layers: no even pipeline split
+    ],
+)
+def test_converted_checkpoint_matches_transformers_at_tp1_and_tp2_pp2_ep2(case, nproc, layout, cases, tmp_path):
     source = cases[case]
     hf_to_megatron(source, tmp_path / "megatron")
     samples = make_samples(vocab=128, n=3, seed=11)
     ref = hf_score(source, samples)
     assert _worst(_logprobs(tmp_path / "megatron", samples, tmp_path), ref) < 1e-4
-    layout = ("--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1")
-    assert _worst(_logprobs(tmp_path / "megatron", samples, tmp_path, 4, layout), ref) < 1e-4
+    assert _worst(_logprobs(tmp_path / "megatron", samples, tmp_path, nproc, layout), ref) < 1e-4
 
 
 @pytest.mark.torchrun
