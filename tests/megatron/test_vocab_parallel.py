@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl.kernels import reference_logprob as vp
 from megatron_rl.kernels.reference_logprob import token_logprobs_and_entropy
+from tests.kernels.logprob_reference import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TP2_SCRIPT = Path(__file__).resolve().parent / "scripts" / "vocab_parallel_tp2.py"
@@ -32,25 +33,6 @@ FP32_RTOL = 2e-7
 # bf16 inputs: log-probs and entropy are still fp32-accurate (measured 1.2e-6 / 7e-7 on the bf16 values);
 # the gradient is returned in bf16 (8-bit mantissa), measured 5.2e-3 abs for |grad| up to ~3.
 BF16_GRAD_ATOL = 1e-2
-
-
-def reference(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    w_logprobs: torch.Tensor,
-    w_entropy: torch.Tensor,
-    *,
-    valid_vocab_size: int | None = None,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 log-probs, entropy and d(sum w_lp*lp + w_H*H)/dlogits on the unpadded columns (padding grad 0)."""
-    x = logits.detach().double().requires_grad_()
-    valid = x.shape[-1] if valid_vocab_size is None else valid_vocab_size
-    log_p = torch.log_softmax(x[..., :valid] / temperature, dim=-1)
-    logprobs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    (grad,) = torch.autograd.grad((w_logprobs * logprobs + w_entropy * entropy).sum(), x)
-    return logprobs.detach(), entropy.detach(), grad
 
 
 def make_case(
