@@ -1,4 +1,4 @@
-"""Fused loss kernels: vocab-parallel token log-probs + entropy, and packed sequence-level GSPO.
+"""Fused loss kernels: vocab-parallel token log-probs + entropy, and packed sequence-level GSPO (``gspo``).
 
 ``token_logprobs_and_entropy`` dispatches between three implementations with identical semantics (those of
 ``kernels.reference_logprob.token_logprobs_and_entropy``):
@@ -14,25 +14,29 @@ the environment before that import.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
-from megatron_rl.kernels.gspo import PackedPolicyLoss, packed_gspo_loss
+from megatron_rl.kernels.gspo import GSPOImpl, PackedPolicyLoss, packed_gspo_loss, resolve_gspo_impl
 from megatron_rl.kernels.reference_logprob import check_logprob_args
+from megatron_rl.kernels.triton_support import triton_available
 
-__all__ = ["Impl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_impl", "token_logprobs_and_entropy"]
+__all__ = [
+    "GSPOImpl",
+    "Impl",
+    "PackedPolicyLoss",
+    "packed_gspo_loss",
+    "resolve_gspo_impl",
+    "resolve_impl",
+    "token_logprobs_and_entropy",
+    "triton_available",
+]
 
 Impl = Literal["auto", "torch", "chunked", "triton"]
 _IMPLS = ("auto", "torch", "chunked", "triton")
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` package is installed (importing the kernels may still need a GPU or the interpreter)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_impl(impl: Impl, logits: Tensor) -> str:

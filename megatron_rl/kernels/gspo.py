@@ -7,16 +7,20 @@ response); the others get no loss and no gradient. With ``n_i`` valid tokens in 
 
     log s_i = clamp((1/n_i) sum_t (log pi_t - log pi_old_t), -20, 20)        s_i = exp(log s_i)
     l_t     = max(-A_t s_i, -A_t clip(s_i, 1 - eps_low, 1 + eps_high))
-    loss    = (1/S) sum_i (1/n_i) sum_{t in i} l_t                            (seq-mean-token-mean)
+    loss    = (1/S) sum_i (1/n_i) sum_{t in i} w_t l_t                        (seq-mean-token-mean)
 
-This is ``algorithms.policy_losses.policy_loss("gspo", ..., agg="seq-mean-token-mean")`` on the equivalent
-padded batch (arXiv 2507.18071 eq. 5-7). ``"gspo_token"`` (eq. 13-17) has the same value but routes the
-gradient per token: ``d l_t / d log pi_t = s_i * d l_t / d s``, which allows per-token advantages.
+with optional rollout-correction weights ``w_t`` (1 by default; ``algorithms.rollout_correction``). This is
+``algorithms.policy_losses.policy_loss("gspo", ..., agg="seq-mean-token-mean", rollout_weights=w)`` on the
+equivalent padded batch (arXiv 2507.18071 eq. 5-7). ``"gspo_token"`` (eq. 13-17) has the same value but routes
+the gradient per token: ``d l_t / d log pi_t = s_i * d l_t / d s``, which allows per-token advantages.
 
-The forward computes the analytic gradient with segment sums (``index_add_``) and saves only that ``[T]``
-vector; the backward scales it by the upstream gradient. Derivatives follow torch's conventions exactly so the
-result matches autograd through the oracle: ``clamp`` passes the gradient on its closed interval, and
-``maximum`` splits it evenly on ties (inside the clip range both branches are ``-A s``).
+Two implementations with the same semantics: ``"torch"`` (segment sums with ``index_add_``; any device) and
+``"triton"`` (``triton_gspo``: one program per sequence; compiled on GPU, ``TRITON_INTERPRET=1`` on CPU);
+``impl="auto"`` takes Triton for CUDA tensors when triton imports. Both compute the analytic gradient in the
+forward and save only that ``[T]`` vector (and a scale); the backward multiplies it by the upstream gradient.
+Derivatives follow torch's conventions exactly so the result matches autograd through the oracle: ``clamp``
+passes the gradient on its closed interval, and ``maximum`` splits it evenly on ties (inside the clip range both
+branches are ``-A s``).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from megatron_rl.algorithms.ratios import LOG_RATIO_BOUND
+from megatron_rl.kernels.triton_support import triton_available
 
-__all__ = ["PackedPolicyLoss", "packed_gspo_loss"]
+__all__ = ["GSPOImpl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_gspo_impl"]
 
 Variant = Literal["gspo", "gspo_token"]
+GSPOImpl = Literal["auto", "torch", "triton"]
 
 
 class PackedPolicyLoss(NamedTuple):
@@ -49,6 +55,7 @@ def _forward_and_grad(
     advantages: Tensor,
     cu_seqlens: Tensor,
     loss_mask: Tensor | None,
+    rollout_weights: Tensor | None,
     clip_low: float,
     clip_high: float,
     variant: Variant,
@@ -77,6 +84,8 @@ def _forward_and_grad(
     token_loss = torch.maximum(unclipped, clipped)
     num_seqs = (n_valid > 0).sum().clamp(min=1).to(dtype)
     weight = torch.where(mask, 1.0 / (count[seg] * num_seqs), zero)
+    if rollout_weights is not None:
+        weight = weight * rollout_weights.to(dtype)
     loss = (weight * token_loss).sum()
 
     # d l_t / d s: the winning branch's slope; on a tie, the mean of both (torch.maximum's convention).
@@ -100,11 +109,29 @@ def _forward_and_grad(
     return metrics, grad
 
 
+def resolve_gspo_impl(impl: GSPOImpl, log_probs: Tensor) -> str:
+    """The concrete implementation ``impl`` stands for with these log-probs."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
+    if impl == "auto":
+        return "triton" if log_probs.is_cuda and triton_available() else "torch"
+    return impl
+
+
 class _PackedGSPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, log_probs: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        out, grad = _forward_and_grad(log_probs, *args)
-        ctx.save_for_backward(grad)
+    def forward(
+        ctx: FunctionCtx, log_probs: Tensor, impl: str, variant: Variant, *args: object
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if impl == "triton":
+            from megatron_rl.kernels.triton_gspo import triton_gspo_forward_and_grad
+
+            *out, grad, scale = triton_gspo_forward_and_grad(log_probs, *args, token_grad=variant == "gspo_token")
+            out = PackedPolicyLoss(*out)
+        else:
+            out, grad = _forward_and_grad(log_probs, *args, variant)
+            scale = torch.ones((), dtype=grad.dtype, device=grad.device)
+        ctx.save_for_backward(grad, scale)
         ctx.log_probs_dtype = log_probs.dtype
         ctx.mark_non_differentiable(out.seq_ratio, out.clip_frac_low, out.clip_frac_high)
         return tuple(out)
@@ -112,8 +139,8 @@ class _PackedGSPO(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_loss: Tensor, *unused: Tensor) -> tuple:
-        (grad,) = ctx.saved_tensors
-        return (grad * grad_loss).to(ctx.log_probs_dtype), *([None] * 7)
+        grad, scale = ctx.saved_tensors
+        return (grad * (grad_loss * scale)).to(ctx.log_probs_dtype), *([None] * 10)
 
 
 def packed_gspo_loss(
@@ -126,6 +153,8 @@ def packed_gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     variant: Variant = "gspo",
+    rollout_weights: Tensor | None = None,
+    impl: GSPOImpl = "auto",
 ) -> PackedPolicyLoss:
     """GSPO / GSPO-token loss (to minimise) of packed sequences; see the module docstring.
 
@@ -137,7 +166,10 @@ def packed_gspo_loss(
         loss_mask: ``[T]`` bool/0-1 mask of the tokens that count; ``None`` means all.
         clip_low, clip_high: ``eps_low``, ``eps_high`` of the clip range ``[1 - eps_low, 1 + eps_high]``.
         variant: ``"gspo"`` or ``"gspo_token"``.
+        rollout_weights: ``[T]`` per-token weights of the clipped loss (TIS/MIS/IcePop; constants), or ``None``.
+        impl: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors when installed).
     """
+    chosen = resolve_gspo_impl(impl, log_probs)
     if variant not in ("gspo", "gspo_token"):
         raise ValueError(f"variant must be 'gspo' or 'gspo_token', got {variant!r}")
     if log_probs.dim() != 1 or old_log_probs.shape != log_probs.shape:
@@ -147,14 +179,19 @@ def packed_gspo_loss(
         raise ValueError("cu_seqlens must be a 1-D tensor of offsets starting at 0")
     if int(cu_seqlens[-1]) != log_probs.numel():
         raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of tokens {log_probs.numel()}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
     n_seq = cu_seqlens.numel() - 1
     if advantages.shape not in ((n_seq,), log_probs.shape):
         raise ValueError(f"advantages must be [{n_seq}] or [{log_probs.numel()}], got {tuple(advantages.shape)}")
     if loss_mask is not None and loss_mask.shape != log_probs.shape:
         raise ValueError(f"loss_mask must be [{log_probs.numel()}], got {tuple(loss_mask.shape)}")
+    if rollout_weights is not None and rollout_weights.shape != log_probs.shape:
+        raise ValueError(f"rollout_weights must be [{log_probs.numel()}], got {tuple(rollout_weights.shape)}")
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
     outputs = _PackedGSPO.apply(
-        log_probs, old_log_probs.detach(), advantages.detach(), cu_seqlens, loss_mask, clip_low, clip_high, variant
-    )
+        log_probs, chosen, variant, old_log_probs.detach(), advantages.detach(), cu_seqlens, loss_mask,
+        None if rollout_weights is None else rollout_weights.detach(), clip_low, clip_high,
+    )  # fmt: skip
     return PackedPolicyLoss(*outputs)

@@ -18,6 +18,7 @@ import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_MODULE = "megatron_rl.kernels.triton_logprob"
+TRITON_GSPO_MODULE = "megatron_rl.kernels.triton_gspo"
 
 
 def triton_mode() -> str:
@@ -25,14 +26,22 @@ def triton_mode() -> str:
     return "compiled" if DEVICE.type == "cuda" else "interpreter"
 
 
-@pytest.fixture
-def triton_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """``megatron_rl.kernels.triton_logprob``; skips when triton is not installed."""
+def _triton_module(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton) - Triton kernel tests skipped")
     if DEVICE.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = sys.modules.get(TRITON_MODULE)
-    if module is None:
-        module = importlib.import_module(TRITON_MODULE)
-    yield module
+    module = sys.modules.get(name)
+    return importlib.import_module(name) if module is None else module
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """``megatron_rl.kernels.triton_logprob``; skips when triton is not installed."""
+    yield _triton_module(TRITON_MODULE, monkeypatch)
+
+
+@pytest.fixture
+def triton_gspo(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """``megatron_rl.kernels.triton_gspo`` (what ``packed_gspo_loss(impl="triton")`` runs); skips without triton."""
+    yield _triton_module(TRITON_GSPO_MODULE, monkeypatch)
