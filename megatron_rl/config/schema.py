@@ -93,6 +93,12 @@ class AlgoConfig:
     clip_c: float | None = setting(
         None, help="dual-clip constant c > 1 for A < 0 (ppo loss only); null = no dual clip", gt=1
     )
+    gspo_kernel: Literal["auto", "reference", "torch", "triton"] = setting(
+        "auto",
+        help="how loss=gspo/gspo_token with agg=seq-mean-token-mean is computed: reference = algorithms.policy_loss "
+        "on the padded batch; torch / triton = the packed one-pass loss of megatron_rl.kernels (triton: compiled "
+        "on GPU, TRITON_INTERPRET=1 on CPU); auto = triton for CUDA tensors when installed, reference otherwise",
+    )
     tau_pos: float = setting(1.0, help="SAPO gate temperature for positive advantages", gt=0)
     tau_neg: float = setting(1.05, help="SAPO gate temperature for non-positive advantages", gt=0)
     advantage: str = setting(

@@ -65,6 +65,13 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(
             f"algo.clip_c (dual clip) applies to algo.loss='ppo' only, not {algo.loss!r}; set algo.clip_c=null"
         )
+    if algo.gspo_kernel in ("torch", "triton") and (
+        algo.loss not in ("gspo", "gspo_token") or algo.agg != "seq-mean-token-mean"
+    ):
+        errors.append(
+            f"algo.gspo_kernel={algo.gspo_kernel!r} computes loss=gspo/gspo_token with agg='seq-mean-token-mean' "
+            f"only, not loss={algo.loss!r} with agg={algo.agg!r}; set algo.gspo_kernel=auto or reference"
+        )
     if rollout.n_samples < 2:
         errors.append(
             f"rollout.n_samples={rollout.n_samples}: algo.advantage={algo.advantage!r} is group-relative, so a "

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
 from megatron_rl.kernels.gspo import GSPOImpl, PackedPolicyLoss, packed_gspo_loss, resolve_gspo_impl
 from megatron_rl.kernels.reference_logprob import check_logprob_args
-from megatron_rl.kernels.triton_support import triton_available
+from megatron_rl.kernels.triton_support import check_triton_can_run, triton_available
 
 __all__ = [
     "GSPOImpl",
@@ -80,6 +80,7 @@ def token_logprobs_and_entropy(
     kwargs = {"tp_group": tp_group, "vocab_start_index": vocab_start_index, "valid_vocab_size": valid_vocab_size,
               "temperature": float(temperature)}  # fmt: skip
     if chosen == "triton":
+        check_triton_can_run(logits, "token_logprobs_and_entropy")
         from megatron_rl.kernels.triton_logprob import triton_logprobs_and_entropy
 
         logprobs, entropy = triton_logprobs_and_entropy(logits, targets, **kwargs)

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from megatron_rl.algorithms.ratios import LOG_RATIO_BOUND
-from megatron_rl.kernels.triton_support import triton_available
+from megatron_rl.kernels.triton_support import check_triton_can_run, triton_available
 
 __all__ = ["GSPOImpl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_gspo_impl"]
 
@@ -190,6 +190,8 @@ def packed_gspo_loss(
         raise ValueError(f"rollout_weights must be [{log_probs.numel()}], got {tuple(rollout_weights.shape)}")
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if chosen == "triton":
+        check_triton_can_run(log_probs, "packed_gspo_loss")
     outputs = _PackedGSPO.apply(
         log_probs, chosen, variant, old_log_probs.detach(), advantages.detach(), cu_seqlens, loss_mask,
         None if rollout_weights is None else rollout_weights.detach(), clip_low, clip_high,

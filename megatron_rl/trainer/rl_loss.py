@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 
 from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
+from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
+from megatron_rl.kernels import packed_gspo_loss, triton_available
 from megatron_rl.megatron_backend.batch import TokenBatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
@@ -37,23 +39,27 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
                 low=algo.rollout_correction_low,
                 high=algo.rollout_correction_high,
             )
-        loss, metrics = policy_loss(
-            algo.loss,
-            log_probs,
-            old,
-            adv,
-            mask,
-            agg=algo.agg,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            clip_c=algo.clip_c,
-            tau_pos=algo.tau_pos,
-            tau_neg=algo.tau_neg,
-            agg_norm=algo.agg_norm,
-            rollout_weights=weights,
-        )
+        kernel = gspo_kernel(algo, log_probs)
+        if kernel == "reference":
+            loss, metrics = policy_loss(
+                algo.loss,
+                log_probs,
+                old,
+                adv,
+                mask,
+                agg=algo.agg,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                clip_c=algo.clip_c,
+                tau_pos=algo.tau_pos,
+                tau_neg=algo.tau_neg,
+                agg_norm=algo.agg_norm,
+                rollout_weights=weights,
+            )
+        else:
+            loss, metrics = _packed_gspo(algo, kernel, log_probs, old, adv, mask, weights)
         out = {f"actor/{k}": float(v) for k, v in metrics.items()}
-        out["actor/pg_loss"] = float(loss)
+        out["actor/pg_loss"] = float(loss.detach())
         if algo.kl_coef > 0:
             kl = kl_penalty(log_probs, mb.fields["ref_log_probs"].to(device), algo.kl_estimator, response_mask=mask)
             kl_loss = aggregate(kl, mask, algo.agg, norm=algo.agg_norm)
@@ -71,6 +77,42 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
         return loss_sum, count, out
 
     return with_count
+
+
+def gspo_kernel(algo: AlgoConfig, log_probs: torch.Tensor) -> str:
+    """``reference``, ``torch`` or ``triton``: the implementation ``algo.gspo_kernel`` stands for here."""
+    packed_loss = algo.loss in ("gspo", "gspo_token") and algo.agg == "seq-mean-token-mean"
+    if algo.gspo_kernel != "auto":
+        return algo.gspo_kernel
+    return "triton" if packed_loss and log_probs.is_cuda and triton_available() else "reference"
+
+
+def _packed_gspo(algo: AlgoConfig, kernel: str, log_probs, old, adv, mask, weights):
+    """``packed_gspo_loss`` on the micro-batch's rows (one packed sequence per row), with ``policy_loss``'s
+    metrics: clip fractions from the kernel, ``ppo_kl`` and the sequence-ratio statistics over valid tokens."""
+    b, s = log_probs.shape
+    valid = mask > 0
+    cu_seqlens = torch.arange(0, b * s + 1, s, device=log_probs.device)
+    out = packed_gspo_loss(
+        log_probs.reshape(-1), old.reshape(-1), adv.reshape(-1), cu_seqlens, valid.reshape(-1),
+        clip_low=algo.clip_low, clip_high=algo.clip_high, variant=algo.loss,
+        rollout_weights=None if weights is None else weights.reshape(-1), impl=kernel,
+    )  # fmt: skip
+    with torch.no_grad():
+        rows = valid.any(-1)
+        ratio = out.seq_ratio.float()
+        tokens = valid.sum(-1).float()
+        any_valid = bool(rows.any())
+        metrics = {
+            "clip_frac_low": out.clip_frac_low,
+            "clip_frac_high": out.clip_frac_high,
+            "clip_frac_dual": torch.zeros(()),
+            "ppo_kl": masked_mean((old - log_probs).float(), valid),
+            "ratio_mean": (ratio * tokens).sum() / tokens.sum() if any_valid else torch.ones(()),
+            "ratio_max": ratio[rows].max() if any_valid else torch.ones(()),
+            "ratio_min": ratio[rows].min() if any_valid else torch.ones(()),
+        }
+    return out.loss, metrics
 
 
 def _as_sum(loss: torch.Tensor, mask: torch.Tensor, agg: str, *, real_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

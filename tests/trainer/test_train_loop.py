@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +32,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("demo_model") / "model", seed=1234)
 
 
-def _train(out: Path, model: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def _train(
+    out: Path, model: Path, *overrides: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [*CLI, str(EXAMPLE), f"trainer.output_dir={out}", f"model.hf_path={model}", *FAST, *overrides],
         capture_output=True,
         text=True,
         timeout=900,
+        env=env,
     )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -151,6 +155,26 @@ def test_algorithms_run_by_override(model_dir: Path, tmp_path: Path, overrides: 
         assert r["actor/grad_norm"] == r["actor/grad_norm"] and r["actor/grad_norm"] < 1e3
     if "algo.preset=grpo" in overrides and len(overrides) == 1:
         assert all(r["actor/kl_ref"] >= 0.0 for r in trained)  # GRPO keeps a KL-to-reference term
+
+
+def test_packed_gspo_kernels_train_like_the_reference_loss(model_dir: Path, tmp_path: Path) -> None:
+    """algo.gspo_kernel=torch and =triton (the Triton interpreter on CPU) in the real loop: same rollouts, same
+    losses and gradient norms as the padded reference loss within fp32 summation-order tolerance."""
+    common = ["trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+              "trainer.save_every=0", "logging.plot=false"]  # fmt: skip
+    runs = {}
+    for kernel in ("reference", "torch", "triton"):
+        env = {**os.environ, "TRITON_INTERPRET": "1"} if kernel == "triton" else None
+        _train(tmp_path / kernel, model_dir, *common, f"algo.gspo_kernel={kernel}", env=env)
+        runs[kernel] = [r for r in _history(tmp_path / kernel) if r["step"] > 0]
+    ref = runs["reference"]
+    assert all("actor/pg_loss" in r for r in ref)
+    for kernel in ("torch", "triton"):
+        for a, b in zip(ref, runs[kernel], strict=True):
+            assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+            assert b["actor/ppo_kl_first"] == 0.0
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/clip_frac_low"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (kernel, key)
 
 
 @pytest.mark.torchrun
