@@ -188,6 +188,32 @@ def test_reference_implementation_gives_nan_for_inf_logits() -> None:
     assert torch.isnan(entropy).all() and torch.isfinite(ours).all()
 
 
+def test_matches_transformer_engine_parallel_cross_entropy(triton_kernels: object) -> None:
+    """On a GPU with Transformer Engine: log-probs and their gradient equal ``-parallel_cross_entropy`` (TP=1)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("Transformer Engine runs on CUDA only (cross-check runs in scripts/gpu_check.sh)")
+    try:  # a broken TE install raises RuntimeError/OSError, not ImportError
+        from transformer_engine.pytorch import parallel_cross_entropy
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"transformer_engine.pytorch does not import: {err}")
+    case = make_case((4, 300), 151_936, seed=8)
+    targets, weights = case["targets"].to(DEVICE), case["w_logprobs"].to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for name in ("triton", "te"):
+            logits = case["logits"].to(DEVICE, dtype, copy=True).requires_grad_()
+            if name == "te":  # per-token loss; TE may return it in the input dtype
+                te_loss = parallel_cross_entropy(logits, targets, 0.0, False, None)
+                te_dtype, logprobs = te_loss.dtype, -te_loss.float()
+            else:
+                logprobs = token_logprobs_and_entropy(logits, targets, with_entropy=False, impl="triton")[0]
+            (weights * logprobs).sum().backward()
+            results.append((logprobs, logits.grad.float()))
+        (ours, ours_grad), (te, te_grad) = results
+        assert_close(ours, te, FP32 if te_dtype == torch.float32 else BF16_GRAD)
+        assert_close(ours_grad, te_grad, FP32 if dtype == torch.float32 else BF16_GRAD)
+
+
 # --- 3. real tensor parallelism: 2 ranks on gloo -------------------------------------------------------------
 
 
