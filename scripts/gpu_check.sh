@@ -11,7 +11,7 @@
 # routed experts vs transformers), the single-process actor invariants (export bitwise, ppo_kl == 0 on
 # the first update, loss falls, reference swap), with the TE layer spec when Transformer Engine imports
 # and the local spec otherwise; the kernel tests compiled by Triton (not the interpreter) and the log-prob
-# kernel benchmark (time, peak memory, GB/s against HBM; JSON copied to $OUT).
+# kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark (JSON copied to $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -35,4 +35,5 @@ python3 -m pytest -q -p no:cacheprovider \
     tests/megatron/test_vocab_parallel.py tests/kernels 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
-cp benchmarks/results/bench_logprob_*.json "$OUT/" 2>/dev/null || true
+timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"
+cp benchmarks/results/bench_logprob_*.json benchmarks/results/bench_gspo_*.json "$OUT/" 2>/dev/null || true
