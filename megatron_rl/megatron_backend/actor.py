@@ -28,6 +28,7 @@ from megatron_rl.megatron_backend import hf_weights, platform
 from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
 from megatron_rl.megatron_backend.model_builder import ModelOptions, build_model
 from megatron_rl.megatron_backend.models.family import HFConfig, get_family
+from megatron_rl.megatron_backend.offload import StorageOffload, TransferStats
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.routes import MoERouters
 
@@ -86,6 +87,7 @@ class MegatronActor:
         self.scheduler = None
         self.step = 0
         self.last_route_agreement = None  # RouteAgreement of the last replayed pass (routing.agreement)
+        self._offload: StorageOffload | None = None  # set while the training state is parked on the host
         if optimizer_options is not None:
             self._setup_training(optimizer_options)
         self._tp_group = ps.get_tensor_model_parallel_group()
@@ -101,6 +103,7 @@ class MegatronActor:
         return actor
 
     def load_hf(self, model_dir: str | Path) -> None:
+        self._check_resident("load_hf")
         hf = hf_weights.read_hf_config(model_dir)
         check_architecture(self.hf_config, hf, model_dir)
         hf_weights.load_hf_weights(self.modules, model_dir, self.family, self.hf_config)
@@ -109,6 +112,7 @@ class MegatronActor:
 
     def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
         """HF-named full tensors in buckets (collective: every rank must consume the iterator)."""
+        self._check_resident("export_hf")
         return hf_weights.export_hf_weights(
             self.modules, self.family, self.hf_config, bucket_bytes=bucket_bytes, dtype=dtype
         )
@@ -183,6 +187,7 @@ class MegatronActor:
     def reset_optimizer_state(self) -> None:
         """Zero Adam's moments and step count (e.g. between a supervised warm-up and RL, so the warm-up's
         momentum does not keep moving the policy when RL gradients are zero)."""
+        self._check_resident("reset_optimizer_state")
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for state in getattr(opt, "optimizer", opt).state.values():
                 for value in state.values():
@@ -194,6 +199,74 @@ class MegatronActor:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt, "reload_model_params"):
                 opt.reload_model_params()
+
+    # ------------------------------------------------------------------ accelerator memory
+    @property
+    def offloaded(self) -> bool:
+        """Whether `offload()` parked the training state on the host (until `reload()`)."""
+        return self._offload is not None
+
+    def offload(self) -> TransferStats:
+        """Free this rank's accelerator memory for a colocated rollout engine: parameters, Megatron's
+        parameter and gradient buffers, and the optimizer's main parameters and state move to host memory.
+
+        Scoring, training and weight export refuse to run until `reload()`."""
+        if self._offload is not None:
+            raise RuntimeError("MegatronActor.offload(): the actor is already offloaded")
+        offload = StorageOffload(self._resident_tensors())
+        stats = offload.offload()
+        self._offload = offload
+        return stats
+
+    def reload(self) -> TransferStats:
+        """Bring back what `offload()` moved, bit for bit."""
+        if self._offload is None:
+            raise RuntimeError("MegatronActor.reload(): the actor is not offloaded")
+        stats = self._offload.reload()
+        self._offload = None
+        return stats
+
+    def _resident_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of model or optimizer state on this rank's accelerator. Views are yielded alongside
+        their buffers (DDP's param/grad buffers, the distributed optimizer's shards): `StorageOffload` moves
+        each storage once."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        def tensors() -> Iterator[torch.Tensor | None]:
+            for chunk in self.chunks:
+                if isinstance(chunk, DistributedDataParallel):
+                    for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                        yield buffer.param_data  # None without the distributed optimizer
+                        yield buffer.grad_data
+            for module in self.modules:
+                for param in module.parameters():
+                    yield param
+                    yield param.grad
+                    yield getattr(param, "main_grad", None)
+                    yield getattr(param, "main_param", None)  # the distributed optimizer's fp32 shard
+                yield from module.buffers()
+            if self.optimizer is None:
+                return
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(opt, "optimizer", opt)
+                if inner is None:  # a rank without parameters in this optimizer
+                    continue
+                for group in inner.param_groups:  # fp32 main params (views of the model's when fp32)
+                    for param in group["params"]:
+                        yield param
+                        if param.is_leaf:  # a view's grad is a view of DDP's grad buffer (and reading it warns)
+                            yield param.grad
+                for state in inner.state.values():  # exp_avg, exp_avg_sq, ...
+                    yield from state.values()
+
+        device = platform.device().type
+        for tensor in tensors():
+            if torch.is_tensor(tensor) and tensor.device.type == device:
+                yield tensor
+
+    def _check_resident(self, what: str) -> None:
+        if self._offload is not None:
+            raise RuntimeError(f"MegatronActor.{what}(): the actor is offloaded; call reload() first")
 
     # ------------------------------------------------------------------ forward/backward
     def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
@@ -403,6 +476,7 @@ class MegatronActor:
         temperature: float = 1.0,
     ) -> ScoreResult:
         """Per-token log-probs (and entropy, routes) for the whole batch, identical on every rank."""
+        self._check_resident("compute_log_probs")
         for chunk in self.chunks:
             chunk.eval()
         shard, index = self._dp_shard(batch)
@@ -492,6 +566,7 @@ class MegatronActor:
         `routing/layer_<i>_agreement` (replayed vs natural routes of the weights before this step).
         `lr`: use this learning rate for this step and leave the LR schedule where it is (warm-up stages).
         """
+        self._check_resident("train_step")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
