@@ -14,6 +14,10 @@ steps; `pause()` holds generation at the next step boundary (SGLang's "in_place"
 `abort()` ends every generate call in progress at its next step (unfinished samples get "abort").
 `Sample.weight_version` is the version behind the last token; a sample that straddles an update also gets
 `metadata["weight_versions"] = [(version, start, end), ...]` over its response tokens, like SGLang's.
+Memory (colocated training, `EngineMemory`'s contract): `release_memory(["weights"])` frees the parameters'
+storage and discards their values, as SGLang does; `resume_memory` re-allocates it, and the next
+`update_weights` fills it. The KV cache lives only during a `generate` call and there are no CUDA graphs:
+"kv_cache" and "cuda_graph" hold nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
+from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.hf_weight_loading import HFWeightLoader
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sampling import check_sampling_params, is_greedy, sample_tokens
@@ -86,6 +91,8 @@ class LocalEngine:
         self._abort_epoch = 0
         self._closed = False
         self._broken: str | None = None  # why the weights are in an unknown state
+        self.memory = EngineMemory()
+        self._weight_shapes = {p: p.shape for p in self.model.parameters()}  # tied parameters appear once
         self.generated_tokens = 0  # running count, for throughput metrics
 
     # ------------------------------------------------------------------ RolloutEngine
@@ -98,6 +105,7 @@ class LocalEngine:
     ) -> list[Sample]:
         """`n` samples per prompt, grouped prompt by prompt (sample i*n+j is prompt i's j-th)."""
         self._check_open()
+        self.memory.check_can_generate()
         check_sampling_params(params)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -122,6 +130,7 @@ class LocalEngine:
     def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
         """Load HF-named full tensors (strict) and stamp later samples with `version`; atomic w.r.t. decoding."""
         self._check_open()
+        self.memory.check_can_update()
         loaded, touched = 0, set()
         with self._lock:
             try:
@@ -135,10 +144,36 @@ class LocalEngine:
                 raise
             self._version = version
             self._broken = None
+            self.memory.updated()
         params = self._loader.params
         missing = len({id(p) for p in params.values()} - {id(params[name]) for name in touched})  # tied: one
         log = logger.warning if loaded == 0 else logger.info
         log("weights %s: %d tensors loaded, %d model parameters not updated", version, loaded, missing)
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the parameters' storage ("weights"; values discarded); "kv_cache" and "cuda_graph" hold nothing
+        here (the KV cache lives only during a generate call). None = all tags."""
+        self._check_open()
+        with self._lock:
+            todo = self.memory.releasable(tags)
+            if "weights" in todo:
+                for param in self._weight_shapes:
+                    param.data = param.data.new_empty(0)
+            self.memory.mark_released(todo)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what was released; resumed weights hold garbage until the next `update_weights`."""
+        self._check_open()
+        with self._lock:
+            todo = self.memory.resumable(tags)
+            if "weights" in todo:
+                for param, shape in self._weight_shapes.items():
+                    param.data = param.data.new_empty(shape)
+            self.memory.mark_resumed(todo)
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes the parameters occupy now (0 while released)."""
+        return sum(param.untyped_storage().nbytes() for param in self._weight_shapes)
 
     def pause(self) -> None:
         """Hold generation at the next decode step (new calls wait too) until `resume()`."""

@@ -8,6 +8,8 @@
 - routed experts: `meta_info.routed_experts`, base64 little-endian int32 `[prompt+response-1, layers, top_k]`,
   stored as uint8 (<= 256 experts) or int16.
 - pause/resume/abort go to every server directly (the router does not proxy them).
+- release_memory/resume_memory (colocated runs; servers launched with `--enable-memory-saver`, CUDA only):
+  `/release_memory_occupation` / `/resume_memory_occupation` on every server, state kept by `EngineMemory`.
 - update_weights: delegated to a `weight_sync` strategy (tensor / distributed / disk).
 - errors: a dead server or a request that hangs raises `SGLangServerError` within `request_timeout_s`.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
+from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
 from megatron_rl.rollout.weight_sync import SyncReport, WeightSync, make_weight_sync
@@ -75,6 +78,7 @@ class SGLangEngine:
         self._version = self._read_version()
         self.last_sync: SyncReport | None = None
         self._stale: str | None = None  # why the served weights are unknown (a failed update)
+        self.memory = EngineMemory()
         self.generated_tokens = 0  # running count, for throughput metrics
 
     @property
@@ -96,6 +100,7 @@ class SGLangEngine:
             raise ValueError("every prompt needs at least one token")
         if self._stale is not None:
             raise SGLangServerError(f"refusing to generate with mixed weights: {self._stale}; recover() and update")
+        self.memory.check_can_generate()
         if return_routed_experts:
             self._routed_experts_layout()  # fail before sending anything
         futures = [
@@ -116,14 +121,32 @@ class SGLangEngine:
 
     def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
         """Stream HF-named full tensors to every server with the configured path; later samples carry `version`."""
+        self.memory.check_can_update()
         try:
             self.last_sync = self.weight_sync.update(self.urls, buckets, version, timeout_s=self.request_timeout_s)
         except SGLangServerError as err:
             self._stale = f"the update to weights {version!r} failed ({err})"
             raise
         self._stale = None
+        self.memory.updated()
         self._version = version
         logger.info("weights %s: %s", version, self.last_sync)
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the servers' GPU memory of `tags` ("weights", "kv_cache", "cuda_graph"; None = all). Released
+        weights are discarded (unless the servers keep a CPU backup): after `resume_memory` they need
+        `update_weights`."""
+        todo = self.memory.releasable(tags)
+        if todo:
+            self._broadcast("/release_memory_occupation", {"tags": list(todo)})
+            self.memory.mark_released(todo)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Re-allocate the released memory of `tags` (None = all released) on every server."""
+        todo = self.memory.resumable(tags)
+        if todo:
+            self._broadcast("/resume_memory_occupation", {"tags": list(todo)})
+            self.memory.mark_resumed(todo)
 
     def pause(self) -> None:
         """Stop scheduling on every server (`/pause_generation`, mode `pause_mode`) until `resume()`."""
@@ -162,6 +185,8 @@ class SGLangEngine:
             self.weight_sync.reset([u for i, u in enumerate(self.urls) if i not in failed])
             self._version = self._read_version()
             self._stale = None  # the caller re-sends the weights next
+        if failed:
+            self.memory.reset()
         return [self.urls[i] for i in failed]
 
     def shutdown(self) -> None:

@@ -31,6 +31,7 @@ def _item(prompt_len: int, out: list[int], finish: dict, routes: np.ndarray | No
 class _Fake(BaseHTTPRequestHandler):
     hang = False
     bodies: list[dict] = []
+    memory_calls: list[tuple[str, list[str]]] = []
 
     def log_message(self, *args) -> None:
         pass
@@ -50,6 +51,10 @@ class _Fake(BaseHTTPRequestHandler):
         if self.hang:
             time.sleep(5)
             return
+        if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):  # SGLang answers null
+            type(self).memory_calls.append((self.path, body["tags"]))
+            self._send(None)
+            return
         type(self).bodies.append(body)
         prompt, n = body["input_ids"], body["sampling_params"]["n"]
         routes = (
@@ -61,7 +66,7 @@ class _Fake(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_url():
-    _Fake.hang, _Fake.bodies = False, []
+    _Fake.hang, _Fake.bodies, _Fake.memory_calls = False, [], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -115,3 +120,23 @@ def test_bucket_helpers():
     ]
     (name, t), _ = pickle.loads(base64.b64decode(serialize_bucket(bucket)))
     assert name == bucket[0][0] and torch.equal(t, bucket[0][1])
+
+
+def test_memory_release_and_resume_follow_sglangs_contract(fake_url):
+    """The colocated phase order: release all after rollout, weights back for the sync, caches after it."""
+    engine = SGLangEngine([fake_url, fake_url], routed_experts_shape=(2, 2), num_experts=8)
+    engine.release_memory()
+    engine.release_memory(["kv_cache"])  # already released: no request
+    with pytest.raises(RuntimeError, match="memory released"):
+        engine.generate([[1]], SamplingParams())
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(RuntimeError, match="resumed but not updated"):
+        engine.generate([[1]], SamplingParams())
+    engine.memory.updated()  # what a successful update_weights does (the weight paths are tested elsewhere)
+    assert len(engine.generate([[1]], SamplingParams(max_new_tokens=2))) == 1
+    assert _Fake.memory_calls == [
+        *[("/release_memory_occupation", ["weights", "kv_cache", "cuda_graph"])] * 2,  # one per server
+        *[("/resume_memory_occupation", ["weights"])] * 2,
+        *[("/resume_memory_occupation", ["kv_cache", "cuda_graph"])] * 2,
+    ]
