@@ -212,6 +212,12 @@ class RolloutConfig:
         "retried this many times before the run stops with the server's error",
         ge=0,
     )
+    release_memory: bool = setting(
+        False,
+        help="colocated runs: the rollout engine frees its weights and KV cache while the trainer trains, and "
+        "takes them back for the weight sync and generation (SGLang: launched with --enable-memory-saver; "
+        "/release_memory_occupation, CUDA only)",
+    )
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,11 @@ class TrainerConfig:
     seed: int = setting(1234, help="seed of data order, sampling and dropout")
     colocate: bool = setting(
         True, help="trainer and rollout engine share the GPUs and take turns; false = separate GPUs"
+    )
+    offload_actor: bool = setting(
+        False,
+        help="colocated runs: move the actor's weights, gradient buffers and optimizer state to host memory "
+        "while the rollout engine generates, and back before training (frees the GPU for the KV cache)",
     )
     output_dir: str = setting("runs/megatron_rl", help="checkpoints, the resolved config, logs and plots go here")
     save_every: int = setting(50, help="save a checkpoint every N steps (and after the last); 0 = only the last", ge=0)

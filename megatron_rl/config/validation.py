@@ -164,6 +164,16 @@ def _check_rollout(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(f"rollout.sampling.top_k={s.top_k} must be -1 (all tokens) or >= 1")
     if any(t < 0 for t in s.stop_token_ids):
         errors.append(f"rollout.sampling.stop_token_ids={list(s.stop_token_ids)} must be token ids >= 0")
+    if not colocate and (rollout.release_memory or cfg.trainer.offload_actor):
+        errors.append(
+            "rollout.release_memory and trainer.offload_actor free memory for a colocated partner: with "
+            "trainer.colocate=false the engine and the trainer have their own GPUs; set them to false"
+        )
+    if rollout.release_memory and rollout.engine == "sglang" and rollout.sglang.urls:
+        notes.append(
+            "rollout.release_memory with connected servers (rollout.sglang.urls): they must have been launched "
+            "with --enable-memory-saver"
+        )
     if rollout.engine == "local":
         if rollout.weight_sync != "tensor":
             errors.append(

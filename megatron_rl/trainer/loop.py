@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms import compute_advantages, kl_penalty
 from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.megatron_backend import checkpoint
+from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
@@ -29,6 +29,7 @@ from megatron_rl.megatron_backend.reference import reference_from_hf
 from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.routing.agreement import mean_route_metrics
 from megatron_rl.routing.cache import RouteCache
+from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
 from megatron_rl.trainer.run_log import RunLog
@@ -82,8 +83,12 @@ def train(cfg: RLConfig) -> TrainResult:
                 print(f"resumed from {resume_from} at step {state['step']}", flush=True)
         log = RunLog(cfg.logging, output_dir, cfg.trainer.steps, to_dict(cfg)) if rank0 else None
 
+        memory = ColocatedMemory(
+            actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
+        )
         warmed_up = output_dir / "warmup_model"  # the policy after the supervised stage, in HF format
         if not state["sft_done"] and cfg.warmup.sft_steps > 0:
+            memory.for_training()
             supervised_warmup(cfg, actor, data, log)
             actor.reset_optimizer_state()
             save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
@@ -92,17 +97,23 @@ def train(cfg: RLConfig) -> TrainResult:
         reference = None
         if cfg.algo.kl_coef > 0:
             reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
+        memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
+        memory.for_weight_sync()
         if engine is not None or not rank0:
             sync_weights(actor, engine, cfg, version=f"step-{state['step']}")
         loss_fn = build_rl_loss(cfg.algo)
-        if log is not None and state["step"] == 0 and cfg.data.eval and cfg.data.eval_every:
-            log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
+        if state["step"] == 0 and cfg.data.eval and cfg.data.eval_every:
+            memory.for_rollout()
+            if log is not None:
+                log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
         for step in range(state["step"] + 1, cfg.trainer.steps + 1):
-            metrics = rl_step(cfg, step, actor, engine, reference, data, tokenizer, loss_fn)
+            metrics = rl_step(cfg, step, actor, engine, reference, data, tokenizer, loss_fn, memory)
             if cfg.data.eval and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
+                memory.for_rollout()
                 if rank0:
                     metrics.update(evaluate(cfg, engine, data, tokenizer))
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                memory.for_training(keep_engine_weights=True)
                 t = time.perf_counter()
                 checkpoint.save_checkpoint(
                     actor,
@@ -123,15 +134,23 @@ def train(cfg: RLConfig) -> TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------- one RL step
-def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer, loss_fn) -> dict[str, float]:
+def rl_step(
+    cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer, loss_fn, memory: ColocatedMemory
+) -> dict[str, float]:
     algo, timings = cfg.algo, {}
     t0 = time.perf_counter()
 
-    # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank.
-    samples, rollout_metrics = collect_rollout(cfg, step, actor, engine, data)
+    # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank. Colocated: the engine
+    #    holds the accelerator (memory.for_rollout), then hands it to the trainer (memory.for_training).
+    memory.for_rollout()
+    samples, rollout_metrics = collect_rollout(cfg, step, actor, engine, data, memory)
+    memory.for_training()
     timings["time/rollout"] = time.perf_counter() - t0
     if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
-        return {**rollout_metrics, **timings, "time/step": time.perf_counter() - t0}
+        if cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
+            memory.for_weight_sync()
+            sync_weights(actor, engine, cfg, version=f"step-{step - 1}")
+        return {**rollout_metrics, **timings, **memory.pop_metrics(), "time/step": time.perf_counter() - t0}
 
     # 2. Advantages from the group-structured rewards.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -196,6 +215,7 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
 
     # 5. Weight sync to the rollout engine.
     t = time.perf_counter()
+    memory.for_weight_sync()
     try:
         sync_weights(actor, engine, cfg, version=f"step-{step}")
     except RolloutEngineError as err:  # rank 0 only; the next rollout restarts the server and re-sends weights
@@ -203,11 +223,14 @@ def rl_step(cfg: RLConfig, step: int, actor, engine, reference, data, tokenizer,
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
     metrics.update(timings)
+    metrics.update(memory.pop_metrics())
     metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / timings["time/step"]
     return metrics
 
 
-def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list, dict[str, float]]:
+def collect_rollout(
+    cfg: RLConfig, step: int, actor, engine, data, memory: ColocatedMemory
+) -> tuple[list, dict[str, float]]:
     """Rank 0 collects the step's samples and shares them. When a rollout server dies or hangs, the engine
     restarts it, every rank re-sends the current weights and the step's rollout is retried from the same
     prompt position (at most `rollout.restarts_per_step` times)."""
@@ -239,10 +262,12 @@ def collect_rollout(cfg: RLConfig, step: int, actor, engine, data) -> tuple[list
         if outcome != "retry":
             return outcome
         restarts += 1
+        memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         try:
             sync_weights(actor, engine, cfg, version=f"step-{step - 1}")  # collective: every rank exports
         except RolloutEngineError as err:  # rank 0 only: the engine is stale, the next try fails and counts
             print(f"step {step}: re-sending the weights failed ({err})", flush=True)
+        memory.for_rollout()
 
 
 class RouteShard:
@@ -452,12 +477,18 @@ def build_engine(cfg: RLConfig, model_dir: Path):
     if cfg.rollout.engine == "local":
         from megatron_rl.rollout.local_engine import LocalEngine
 
-        return LocalEngine(model_dir, weight_version="step-0")
+        return LocalEngine(model_dir, device=platform.device(), weight_version="step-0")
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
     from megatron_rl.rollout.weight_sync import make_weight_sync
 
     sg = cfg.rollout.sglang
+    if cfg.rollout.release_memory and platform.device().type != "cuda":
+        raise ValueError(
+            "rollout.release_memory=true with rollout.engine=sglang needs GPUs: SGLang frees memory with "
+            "torch_memory_saver (CUDA only), and its CPU server exits on /release_memory_occupation; set "
+            "rollout.release_memory=false here"
+        )
     if sg.urls:
         servers = SGLangServers.connect(list(sg.urls), router_url=sg.router_url or None)
     else:
@@ -465,6 +496,8 @@ def build_engine(cfg: RLConfig, model_dir: Path):
         flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
         if cfg.algo.routing_replay == "R3":
             flags.append("--enable-return-routed-experts")
+        if cfg.rollout.release_memory:
+            flags.append("--enable-memory-saver")
         servers = SGLangServers.launch(
             SGLangLaunchConfig(
                 model_path=str(model_dir),

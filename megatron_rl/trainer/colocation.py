@@ -1,0 +1,87 @@
+"""Who holds the accelerator when the trainer and the rollout engine share it (`trainer.colocate`).
+
+Phases of a step and what is resident (with `rollout.release_memory` and `trainer.offload_actor` on):
+
+    rollout   engine weights + caches;     actor on the host              `for_rollout()`
+    train     actor;                       engine weights + caches freed  `for_training()`
+    sync      actor + engine weights;      caches freed                   `for_weight_sync()`
+
+(caches: SGLang's KV cache and CUDA-graph buffers, `rollout.engine_memory.CACHE_TAGS`).
+
+The order follows SGLang's memory contract (`rollout.engine_memory`): released engine weights are discarded, so
+they are resumed only right before the weight sync that fills them; the caches come back after the sync,
+when the actor has left. Evaluation and checkpoints between steps use `for_rollout()` / `for_training(
+keep_engine_weights=True)`: the engine's weights are current then, and releasing them would need another sync.
+Each call does only what the current state needs, so the loop can call them unconditionally. The engine lives
+on rank 0 only (``engine=None`` elsewhere); every rank offloads its own actor shard.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rl.megatron_backend import platform
+from megatron_rl.rollout.engine_memory import CACHE_TAGS, MEMORY_TAGS
+
+__all__ = ["ColocatedMemory"]
+
+
+class ColocatedMemory:
+    """Moves the actor and the engine's memory between phases; collects `memory/*` and `time/*` metrics."""
+
+    def __init__(self, actor, engine, *, offload_actor: bool, release_engine: bool):
+        self.actor = actor
+        self.engine = engine
+        self.offload_actor = offload_actor
+        self.release_engine = release_engine and engine is not None
+        self._metrics: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.offload_actor or self.release_engine
+
+    def for_rollout(self) -> None:
+        """Actor to the host, the engine's caches back (its weights are resident: the last sync filled them)."""
+        if self.offload_actor and not self.actor.offloaded:
+            stats = self.actor.offload()
+            self._add("time/actor_offload", stats.seconds)
+            self._metrics["memory/actor_offloaded_gib"] = stats.gib
+            self._sample_device("memory/device_gib_rollout")
+        if self.release_engine:
+            t = time.perf_counter()
+            self.engine.resume_memory(list(CACHE_TAGS))
+            self._add("time/engine_resume", time.perf_counter() - t)
+
+    def for_training(self, *, keep_engine_weights: bool = False) -> None:
+        """The engine frees its caches (and its weights unless kept), the actor comes back."""
+        if self.release_engine:
+            t = time.perf_counter()
+            self.engine.release_memory(list(CACHE_TAGS) if keep_engine_weights else list(MEMORY_TAGS))
+            self._add("time/engine_release", time.perf_counter() - t)
+        if self.actor.offloaded:
+            stats = self.actor.reload()
+            self._add("time/actor_reload", stats.seconds)
+            self._sample_device("memory/device_gib_train")
+
+    def for_weight_sync(self) -> None:
+        """The engine re-allocates released weights, to be filled by the sync that follows."""
+        if self.release_engine:
+            t = time.perf_counter()
+            self.engine.resume_memory(["weights"])
+            self._add("time/engine_resume", time.perf_counter() - t)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Metrics since the last call."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def _add(self, key: str, seconds: float) -> None:
+        self._metrics[key] = self._metrics.get(key, 0.0) + seconds
+
+    def _sample_device(self, key: str) -> None:
+        """This rank's allocated accelerator memory now (GPU only: on CPU the engine and actor share RAM)."""
+        device = platform.device()
+        if device.type == "cuda":
+            self._metrics[key] = torch.cuda.memory_allocated(device) / 2**30
