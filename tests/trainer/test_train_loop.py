@@ -177,6 +177,45 @@ def test_packed_gspo_kernels_train_like_the_reference_loss(model_dir: Path, tmp_
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (kernel, key)
 
 
+def test_colocated_memory_phases_change_nothing_but_memory(model_dir: Path, tmp_path: Path) -> None:
+    """trainer.offload_actor + rollout.release_memory: the actor leaves during rollouts, the engine frees (and
+    discards) its weights during training and gets them back through the sync; with evaluation and checkpoints
+    between steps the run trains exactly like one that keeps everything resident."""
+    common = ["trainer.steps=3", "warmup.sft_steps=60", "data.eval_every=2", "trainer.save_every=2",
+              "logging.plot=false"]  # fmt: skip
+    _train(tmp_path / "resident", model_dir, *common)
+    _train(tmp_path / "swapped", model_dir, *common, "trainer.offload_actor=true", "rollout.release_memory=true")
+    resident, swapped = _history(tmp_path / "resident"), _history(tmp_path / "swapped")
+    assert [r["step"] for r in swapped] == [0, 1, 2, 3] and "eval/accuracy" in swapped[2]
+    for a, b in zip(resident, swapped, strict=True):
+        for key, value in a.items():
+            if key.startswith("mismatch/"):  # engine log-probs: same weights bitwise, buffers at other addresses
+                assert b[key] == pytest.approx(value, rel=0.05, abs=1e-7), key
+            elif not key.startswith(("time/", "perf/")):
+                assert b[key] == value, key
+    for record in swapped[1:]:
+        assert record["memory/actor_offloaded_gib"] > 0
+        assert record["time/actor_offload"] > 0 and record["time/actor_reload"] > 0
+        assert "time/engine_release" in record and "time/engine_resume" in record
+    assert "memory/actor_offloaded_gib" not in resident[1]
+    result = tmp_path / "cmp.json"
+    run_torchrun(
+        Path(__file__).parent / "scripts" / "compare_checkpoints.py",
+        1,
+        ["--model", str(model_dir), "--a", str(tmp_path / "resident" / "checkpoints" / "step_000000003"),
+         "--b", str(tmp_path / "swapped" / "checkpoints" / "step_000000003"), "--out", str(result)],
+    )  # fmt: skip
+    assert json.loads(result.read_text()) == {"equal": True, "moved_from_initial": True}
+
+
+def test_memory_release_is_refused_without_a_colocated_partner(model_dir: Path, tmp_path: Path) -> None:
+    proc = _train(tmp_path / "bad", model_dir, "trainer.steps=1", "trainer.colocate=false",
+                  "rollout.engine=sglang", "rollout.weight_sync=distributed", "rollout.release_memory=true",
+                  check=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert "free memory for a colocated partner" in proc.stderr
+
+
 @pytest.mark.torchrun
 def test_loop_under_torchrun_matches_single_process(model_dir: Path, tmp_path: Path) -> None:
     """The same run at TP=2 (+SP) under torchrun: same rollouts, same losses within fp32 tolerance."""
