@@ -23,6 +23,7 @@ from megatron_rl.megatron_backend.parallel_layout import LayoutError
 
 GiB = 2**30
 CUDA_CONTEXT_GIB = 3.0  # CUDA context, NCCL buffers and allocator slack per GPU
+SGLANG_RELEASED_GIB = 2.0  # what a colocated SGLang server keeps after releasing its memory (context, buffers)
 SGLANG_PORT = 30000
 ROUTER_PORT = 30100
 
@@ -73,6 +74,7 @@ class MemoryEstimate:
     budget: float  # what the trainer may use on its GPU (after SGLang's share when colocated)
     sglang_weights: float  # per GPU of a rollout server
     sglang_budget: float
+    resident_in_rollout: float = 0.0  # the trainer's memory while a colocated SGLang generates
 
     def lines(self) -> list[str]:
         g = GiB
@@ -163,8 +165,9 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
     if layout is not None and memory.total > memory.budget:
         reasons.append(
             f"training needs ~{memory.total / GiB:.1f} GiB per GPU but {memory.budget / GiB:.1f} GiB are available"
-            + (f" (rollout.sglang.mem_fraction_static={cfg.rollout.sglang.mem_fraction_static} of the GPU is SGLang's)"
-               if colocated and sglang else "")
+            + (f" (rollout.sglang.mem_fraction_static={cfg.rollout.sglang.mem_fraction_static} of the GPU is SGLang's"
+               "; rollout.release_memory=true frees it during training)"
+               if colocated and sglang and not cfg.rollout.release_memory else "")
             + ": raise tp/pp/ep, use more nodes, lower trainer.micro_batch_tokens, or enable "
             "model.options.recompute=full\n  " + memory.lines()[0]
         )  # fmt: skip
@@ -173,14 +176,28 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
             f"a rollout server's weights need {memory.sglang_weights / GiB:.1f} GiB per GPU but its share is "
             f"{memory.sglang_budget / GiB:.1f} GiB: raise rollout.sglang.tp_size or mem_fraction_static"
         )
+    rollout_room = cluster.gpu_memory_gib * GiB * (1 - cfg.rollout.sglang.mem_fraction_static) - CUDA_CONTEXT_GIB * GiB
+    if colocated and sglang and cfg.rollout.release_memory and memory.resident_in_rollout > rollout_room:
+        reasons.append(
+            f"while SGLang generates, the trainer keeps its weights, gradients and optimizer state "
+            f"(~{memory.resident_in_rollout / GiB:.1f} GiB per GPU) but only {rollout_room / GiB:.1f} GiB are left "
+            "beside SGLang's share: set trainer.offload_actor=true, or lower rollout.sglang.mem_fraction_static"
+        )
     if reasons:
         raise PlanError("impossible plan:\n" + "\n".join(f"  - {r}" for r in reasons))
     ranks = tuple(_coordinates(rank, layout, cluster.gpus_per_node) for rank in range(world))
     notes = []
-    if colocated and sglang:
+    if colocated and sglang and cfg.rollout.release_memory:
         notes.append(
-            "colocated: SGLang keeps its mem_fraction_static share during training (no memory release between "
-            "phases yet), so training gets the rest"
+            f"colocated: SGLang releases its weights, KV cache and CUDA graphs while the trainer runs (keeping "
+            f"~{SGLANG_RELEASED_GIB:.0f} GiB); "
+            + ("the actor's state waits in host memory while SGLang generates (trainer.offload_actor)"
+               if cfg.trainer.offload_actor else "the actor's state stays on the GPU while SGLang generates")
+        )  # fmt: skip
+    elif colocated and sglang:
+        notes.append(
+            "colocated: SGLang keeps its mem_fraction_static share during training (rollout.release_memory=false), "
+            "so training gets the rest"
         )
     if cfg.algo.kl_coef > 0:
         notes.append("KL reference weights are swapped from host memory (no extra GPU memory)")
@@ -278,12 +295,15 @@ def _memory(cfg, d: dict, layout, cluster: ClusterSpec, colocated_sglang: bool) 
     total = (weights + grads + optimizer + activations + logits) * 1.1
     gpu = cluster.gpu_memory_gib * GiB
     share = cfg.rollout.sglang.mem_fraction_static
-    budget = gpu * (1 - share) - CUDA_CONTEXT_GIB * GiB if colocated_sglang else gpu - CUDA_CONTEXT_GIB * GiB
+    budget = gpu - CUDA_CONTEXT_GIB * GiB
+    if colocated_sglang:  # SGLang keeps its share during training unless it releases it
+        budget -= SGLANG_RELEASED_GIB * GiB if cfg.rollout.release_memory else gpu * share
     server_gpus = cfg.rollout.sglang.tp_size
     sglang_weights = total_params * 2 / server_gpus
     sglang_budget = gpu * share
+    resident = 0.0 if cfg.trainer.offload_actor else (weights + grads + optimizer) * 1.1
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
-                          sglang_budget), params  # fmt: skip
+                          sglang_budget, resident), params  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -342,5 +362,6 @@ def shell_plan(plan: Plan, cfg) -> str:
         "PLAN_ROUTER_PORT": str(plan.router[1]) if plan.router else "",
         "PLAN_ROUTER_POLICY": cfg.rollout.sglang.router_policy,
         "PLAN_R3": "1" if cfg.algo.routing_replay == "R3" else "",
+        "PLAN_MEMORY_SAVER": "1" if cfg.rollout.release_memory else "",
     }
     return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())

@@ -61,6 +61,7 @@ start_sglang_servers() {
     local index node s port first pid
     local flags=()
     [ -n "$PLAN_R3" ] && flags+=(--enable-return-routed-experts)
+    [ -n "$PLAN_MEMORY_SAVER" ] && flags+=(--enable-memory-saver)  # rollout.release_memory (colocated)
     # shellcheck disable=SC2206
     [ -n "${SGLANG_EXTRA_ARGS:-}" ] && flags+=($SGLANG_EXTRA_ARGS)
     for index in $1; do

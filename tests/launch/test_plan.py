@@ -58,6 +58,7 @@ def test_colocated_two_nodes_places_servers_and_router_on_every_node() -> None:
     assert plan.memory.total <= plan.memory.budget
     shell = shell_plan(plan, cfg)
     assert "PLAN_TRAIN_NODES='0 1'" in shell and "PLAN_SERVERS_PER_NODE=1" in shell and "PLAN_ROUTER_NODE=0" in shell
+    assert "PLAN_MEMORY_SAVER=1" in shell  # the template starts SGLang with --enable-memory-saver
 
 
 def test_memory_arithmetic_of_the_30b_example_by_hand() -> None:
@@ -125,3 +126,26 @@ def test_cli_dry_run_prints_the_plan_and_refuses_without_dry_run(tmp_path: Path)
     no = subprocess.run([*cli, "examples/tiny_moe_gspo.yaml", "--nodes", "1", "--gpus-per-node", "1"], cwd=REPO,
                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert no.returncode == 2 and "add --dry-run" in no.stderr
+
+
+def test_colocated_memory_release_and_actor_offload_change_the_budgets() -> None:
+    """SGLang's share leaves the training budget only while SGLang keeps it; while SGLang generates, the actor's
+    resident state must fit beside that share unless it is offloaded."""
+    cluster = ClusterSpec(2, 8, gpu_memory_gib=80)
+    swapped = make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml"), _hf(QWEN30B), cluster)
+    assert swapped.memory.budget / 2**30 == pytest.approx(80 - 3 - 2)  # CUDA context, released SGLang's rest
+    assert swapped.memory.resident_in_rollout == 0
+    assert any("releases its weights, KV cache and CUDA graphs" in n for n in swapped.notes)
+
+    kept = make_plan(
+        _cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", "rollout.release_memory=false", "trainer.offload_actor=false",
+             "rollout.sglang.mem_fraction_static=0.3"),
+        _hf(QWEN30B), cluster,
+    )  # fmt: skip
+    assert kept.memory.budget / 2**30 == pytest.approx(80 * 0.7 - 3)
+    assert any("keeps its mem_fraction_static share" in n for n in kept.notes)
+
+    with pytest.raises(PlanError, match=r"while SGLang generates, the trainer keeps .* trainer.offload_actor=true"):
+        make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", "trainer.offload_actor=false"), _hf(QWEN30B), cluster)
+    with pytest.raises(PlanError, match="rollout.release_memory=true frees it during training"):
+        make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", "rollout.release_memory=false"), _hf(QWEN30B), cluster)
