@@ -32,7 +32,8 @@ python3 -m pytest -q -p no:cacheprovider \
     tests/actor/test_logprobs_cli.py::test_logprobs_match_transformers \
     tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
     tests/actor/test_layouts.py::test_single_process_invariants \
-    tests/megatron/test_vocab_parallel.py tests/kernels 2>&1 | tee "$OUT/pytest.txt"
+    tests/megatron/test_vocab_parallel.py tests/kernels tests/trainer/test_rl_loss.py \
+    tests/actor/test_offload.py 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
 timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"

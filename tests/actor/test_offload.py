@@ -41,6 +41,21 @@ def test_shared_storage_moves_once_and_comes_back_bitwise() -> None:
     assert views[0][0, 0] == 42.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory (runs in scripts/gpu_check.sh)")
+def test_offload_frees_cuda_memory_and_pins_the_host_copy() -> None:
+    buffer = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    views = [buffer[: 1 << 20], buffer.view(1024, -1)[5]]
+    expected = buffer.clone().cpu()
+    offload = StorageOffload([buffer, *views])
+    before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    offload.offload()
+    assert before[0] - torch.cuda.memory_allocated() == 256 << 20
+    assert before[1] - torch.cuda.memory_reserved() >= 256 << 20  # returned to the driver, not only cached
+    assert all(host.is_pinned() for host in offload._host)
+    offload.reload()
+    assert torch.cuda.memory_allocated() == before[0] and torch.equal(buffer.cpu(), expected)
+
+
 def test_bytes_are_exact_for_several_dtypes() -> None:
     tensors = [torch.ones(3, dtype=d) for d in (torch.bfloat16, torch.float32, torch.int64, torch.bool)]
     offload = StorageOffload(tensors)
@@ -143,7 +158,11 @@ def test_train_offload_reload_train_equals_no_offload(
     expected_min = _nbytes(model_params) + _nbytes(states) + (_nbytes(main_params) if dtype == "bf16" else 0)
     assert len(states) >= 2 * len(main_params)  # exp_avg and exp_avg_sq exist after the first step
 
+    on_cuda = torch.cuda.is_available()
+    allocated = torch.cuda.memory_allocated() if on_cuda else 0
     stats = parked.offload()
+    if on_cuda:  # the device memory really went (and the caching allocator handed it back)
+        assert allocated - torch.cuda.memory_allocated() >= stats.bytes * 0.99
     assert parked.offloaded
     assert stats.bytes >= expected_min, (stats.bytes, expected_min)
     for tensor in model_params + main_grads + main_params + states:
