@@ -5,6 +5,9 @@ step) in a fresh output directory, reads its `metrics.jsonl` and reports per pha
 of the step (rollout with rewards, old-policy log-probs, training, weight sync, checkpoint) and tokens per
 second; step 1 is left out (one-time warm-up of kernels and caches).
 
+With `trainer.offload_actor=true rollout.release_memory=true` it also reports the colocated memory phases
+(actor offload/reload, engine release/resume: seconds per step, bytes moved).
+
 `--replay` runs the same steps with routing replay off, R2 and R3 and reports the training pass, the
 old-policy pass and the peak resident memory of the training process as ratios to `off` (budget: R2 adds
 at most 3% to the training pass). Runs are interleaved (off, R2, R3, off, R2, R3, ...) `--repeats` times so
@@ -53,7 +56,7 @@ def run_steps(steps: int, overrides: list[str]) -> tuple[dict[str, float], int]:
         history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     peak = int(proc.stdout.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024
     rows = [r for r in history if r["step"] > 1]
-    keys = {k for r in rows for k in r if k.startswith(("time/", "perf/"))}
+    keys = {k for r in rows for k in r if k.startswith(("time/", "perf/", "memory/"))}
     return {k: statistics.fmean(r.get(k, 0.0) for r in rows) for k in keys}, peak
 
 
@@ -70,7 +73,12 @@ def breakdown(args: argparse.Namespace) -> dict:
     for name, seconds in rows:
         print(f"{name:<36}{seconds:>10.4f}{seconds / step:>8.1%}")
     print(f"{'step':<36}{step:>10.4f}\ntokens/s: {mean['perf/tokens_per_s']:.0f}; peak RSS {peak / 2**30:.2f} GiB")
+    # Colocated memory phases (trainer.offload_actor, rollout.release_memory), inside rollout / weight sync.
+    swaps = {k: v for k, v in sorted(mean.items()) if k.startswith(("time/actor_", "time/engine_", "memory/"))}
+    for key, value in swaps.items():
+        print(f"  {key:<34}{value:>10.4f}" + (" GiB" if key.startswith("memory/") else " s"))
     return {
+        "colocated_memory": swaps,
         "phases": {name: {"seconds": s, "share": s / step} for name, s in rows},
         "step_seconds": step,
         "tokens_per_s": mean["perf/tokens_per_s"],
@@ -117,7 +125,10 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     result = {"date": date, "machine": machine(), "command": "python benchmarks/bench_rl_step.py " + " ".join(
         sys.argv[1:]), "steps": args.steps, **result}  # fmt: skip
-    dest = ROOT / "benchmarks" / "results" / f"{'replay_overhead' if args.replay else 'rl_step'}_{date}.json"
+    kind = "replay_overhead" if args.replay else "rl_step"
+    if any(o.startswith(("trainer.offload_actor=true", "rollout.release_memory=true")) for o in args.overrides):
+        kind += "_colocated_memory"
+    dest = ROOT / "benchmarks" / "results" / f"{kind}_{date}.json"
     dest.write_text(json.dumps(result, indent=1))
     print(f"wrote {dest}")
 
