@@ -29,6 +29,17 @@ BLOCK = 1024
 
 
 @triton.jit
+def _block(first, offs, end, MASK, HAS_MASK: tl.constexpr):
+    """Token indices of the block at ``first``, those inside the sequence, and those that count (the mask)."""
+    idx = first + offs
+    inside = idx < end
+    valid = inside
+    if HAS_MASK:
+        valid = inside & (tl.load(MASK + idx, mask=inside, other=0) != 0)
+    return idx, inside, valid
+
+
+@triton.jit
 def _packed_gspo_kernel(
     LOGP,
     OLD,
@@ -56,11 +67,7 @@ def _packed_gspo_kernel(
     sum_log_ratio = 0.0
     n_valid = 0.0
     for first in range(start, end, BLOCK):
-        idx = first + offs
-        inside = idx < end
-        valid = inside
-        if HAS_MASK:
-            valid = inside & (tl.load(MASK + idx, mask=inside, other=0) != 0)
+        idx, inside, valid = _block(first, offs, end, MASK, HAS_MASK)
         logp = tl.load(LOGP + idx, mask=valid, other=0.0).to(tl.float32)
         old = tl.load(OLD + idx, mask=valid, other=0.0).to(tl.float32)
         sum_log_ratio += tl.sum(tl.where(valid, logp - old, 0.0), axis=0)
@@ -82,11 +89,7 @@ def _packed_gspo_kernel(
     clip_low = 0.0
     clip_high = 0.0
     for first in range(start, end, BLOCK):
-        idx = first + offs
-        inside = idx < end
-        valid = inside
-        if HAS_MASK:
-            valid = inside & (tl.load(MASK + idx, mask=inside, other=0) != 0)
+        idx, inside, valid = _block(first, offs, end, MASK, HAS_MASK)
         if PER_TOKEN_ADV:
             adv = tl.load(ADV + idx, mask=valid, other=0.0).to(tl.float32)
         else:
@@ -109,11 +112,7 @@ def _packed_gspo_kernel(
     if not TOKEN_GRAD:
         grad = grad_ratio_sum * ratio * clamp_passes / count
         for first in range(start, end, BLOCK):
-            idx = first + offs
-            inside = idx < end
-            valid = inside
-            if HAS_MASK:
-                valid = inside & (tl.load(MASK + idx, mask=inside, other=0) != 0)
+            idx, inside, valid = _block(first, offs, end, MASK, HAS_MASK)
             tl.store(GRAD + idx, tl.where(valid, grad, 0.0), mask=inside)
 
     out = SEQ_STATS + seq * 5
