@@ -39,10 +39,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("slurm") / "model", seed=1234)
 
 
-def _submit(run_dir: Path, model: Path, steps: int, *, wait: bool) -> tuple[int, subprocess.CompletedProcess]:
+def _submit(
+    run_dir: Path, model: Path, steps: int, *, wait: bool, extra: str = ""
+) -> tuple[int, subprocess.CompletedProcess]:
     overrides = (
         f"model.hf_path={model} warmup.sft_steps=20 trainer.steps={steps} trainer.save_every=1 trainer.keep_last=2 "
-        "rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false"
+        f"rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false {extra}"
     )
     env = {**os.environ, "CONFIG": "examples/tiny_moe_gspo.yaml", "RUN_DIR": str(run_dir), "GPUS_PER_NODE": "2",
            "OVERRIDES": overrides}  # fmt: skip
@@ -62,8 +64,10 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def test_colocated_demo_job_completes(cluster: str, model: Path, tmp_path: Path) -> None:
+    """With the colocated memory phases on: both ranks offload their actor shard during rollout, the engine on
+    rank 0 frees its weights during training and gets them back through the sync."""
     run = tmp_path / "run"
-    job, proc = _submit(run, model, 3, wait=True)
+    job, proc = _submit(run, model, 3, wait=True, extra="trainer.offload_actor=true rollout.release_memory=true")
     assert proc.returncode == 0, (tmp_path / f"job-{job}.out").read_text()[-3000:]
     logs = run / "logs" / f"{job}_0"
     assert "colocated plan: 1 node(s) x 2 GPU(s)" in (logs / "plan.txt").read_text()
@@ -71,6 +75,10 @@ def test_colocated_demo_job_completes(cluster: str, model: Path, tmp_path: Path)
     assert len(trainer_logs) == 1 and "step 3/3" in trainer_logs[0].read_text()
     assert (run / "checkpoints" / "step_000000003" / "COMPLETE").is_file()
     assert _steps(run) == [1, 2, 3]
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["memory/actor_offloaded_gib"] > 0 and "time/engine_release" in record
+        assert record["actor/ppo_kl_first"] == 0.0
 
 
 def test_cancelled_job_resumes_from_its_checkpoint_when_resubmitted(cluster: str, model: Path, tmp_path: Path):
