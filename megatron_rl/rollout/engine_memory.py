@@ -5,12 +5,15 @@ SGLang (reference/sglang.md §3.3, `/release_memory_occupation`, `/resume_memory
 `--enable-weights-cpu-backup`), ``kv_cache`` and ``cuda_graph`` buffers are dropped; resuming re-allocates
 them, and resumed weights are undefined until the next weight update. `EngineMemory` keeps that state for an
 engine and refuses what would silently generate from garbage: generating while something is released, or from
-resumed weights that no update has filled.
+resumed weights that no update has filled. Those refusals are `RolloutEngineError`s: the trainer's recovery
+(restart what died, re-send the weights) repairs a server that lost its memory state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from megatron_rl.rollout.engine import RolloutEngineError
 
 __all__ = ["CACHE_TAGS", "MEMORY_TAGS", "EngineMemory", "check_tags"]
 
@@ -57,16 +60,18 @@ class EngineMemory:
 
     def check_can_update(self) -> None:
         if "weights" in self.released:
-            raise RuntimeError("update_weights with the engine's weights released: resume_memory(['weights']) first")
+            raise RolloutEngineError(
+                "update_weights with the engine's weights released: resume_memory(['weights']) first"
+            )
 
     def check_can_generate(self) -> None:
         if self.released:
-            raise RuntimeError(
+            raise RolloutEngineError(
                 f"generate with the engine's {sorted(self.released)} memory released: "
                 f"resume_memory({sorted(self.released)}) first"
             )
         if self.weights_undefined:
-            raise RuntimeError(
+            raise RolloutEngineError(
                 "generate from weights that were released and resumed but not updated since: call update_weights"
             )
 

@@ -13,7 +13,10 @@ they are resumed only right before the weight sync that fills them; the caches c
 when the actor has left. Evaluation and checkpoints between steps use `for_rollout()` / `for_training(
 keep_engine_weights=True)`: the engine's weights are current then, and releasing them would need another sync.
 Each call does only what the current state needs, so the loop can call them unconditionally. The engine lives
-on rank 0 only (``engine=None`` elsewhere); every rank offloads its own actor shard.
+on rank 0 only (``engine=None`` elsewhere); every rank offloads its own actor shard. A server that fails a
+release or resume is reported and left to the loop's recovery (the next sync or generate fails with a
+`RolloutEngineError`, the server is restarted and given the weights): raising here would leave the other ranks
+waiting in the weight export.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import torch
 
 from megatron_rl.megatron_backend import platform
+from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.rollout.engine_memory import CACHE_TAGS, MEMORY_TAGS
 
 __all__ = ["ColocatedMemory"]
@@ -51,14 +55,15 @@ class ColocatedMemory:
             self._sample_device("memory/device_gib_rollout")
         if self.release_engine:
             t = time.perf_counter()
-            self.engine.resume_memory(list(CACHE_TAGS))
+            self._engine_call(self.engine.resume_memory, list(CACHE_TAGS))
             self._add("time/engine_resume", time.perf_counter() - t)
 
     def for_training(self, *, keep_engine_weights: bool = False) -> None:
         """The engine frees its caches (and its weights unless kept), the actor comes back."""
         if self.release_engine:
             t = time.perf_counter()
-            self.engine.release_memory(list(CACHE_TAGS) if keep_engine_weights else list(MEMORY_TAGS))
+            tags = CACHE_TAGS if keep_engine_weights else MEMORY_TAGS
+            self._engine_call(self.engine.release_memory, list(tags))
             self._add("time/engine_release", time.perf_counter() - t)
         if self.actor.offloaded:
             stats = self.actor.reload()
@@ -69,13 +74,20 @@ class ColocatedMemory:
         """The engine re-allocates released weights, to be filled by the sync that follows."""
         if self.release_engine:
             t = time.perf_counter()
-            self.engine.resume_memory(["weights"])
+            self._engine_call(self.engine.resume_memory, ["weights"])
             self._add("time/engine_resume", time.perf_counter() - t)
 
     def pop_metrics(self) -> dict[str, float]:
         """Metrics since the last call."""
         metrics, self._metrics = self._metrics, {}
         return metrics
+
+    @staticmethod
+    def _engine_call(method, tags: list[str]) -> None:
+        try:
+            method(tags)
+        except RolloutEngineError as err:
+            print(f"rollout engine: {method.__name__}({tags}) failed ({err}); the next rollout recovers", flush=True)
 
     def _add(self, key: str, seconds: float) -> None:
         self._metrics[key] = self._metrics.get(key, 0.0) + seconds

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngineError, SamplingParams
 from megatron_rl.rollout.engine_memory import EngineMemory, check_tags
 from megatron_rl.rollout.local_engine import LocalEngine
 
@@ -26,17 +26,18 @@ def test_release_frees_weights_and_resume_plus_update_restores_them(tiny_dir: Pa
 
     engine.release_memory()
     assert engine.resident_weight_bytes() == 0
-    with pytest.raises(RuntimeError, match=r"memory released: resume_memory\(\['cuda_graph', 'kv_cache', 'weights'\]"):
+    released = r"memory released: resume_memory\(\['cuda_graph', 'kv_cache', 'weights'\]"
+    with pytest.raises(RolloutEngineError, match=released):
         engine.generate(PROMPTS, GREEDY)
-    with pytest.raises(RuntimeError, match="weights released"):
+    with pytest.raises(RolloutEngineError, match="weights released"):
         engine.update_weights([list(weights.items())], "v1")
 
     engine.resume_memory(["kv_cache", "cuda_graph"])
-    with pytest.raises(RuntimeError, match=r"\['weights'\] memory released"):
+    with pytest.raises(RolloutEngineError, match=r"\['weights'\] memory released"):
         engine.generate(PROMPTS, GREEDY)
     engine.resume_memory(["weights"])
     assert engine.resident_weight_bytes() == full
-    with pytest.raises(RuntimeError, match="released and resumed but not updated"):
+    with pytest.raises(RolloutEngineError, match="released and resumed but not updated"):
         engine.generate(PROMPTS, GREEDY)
 
     engine.update_weights([list(weights.items())], "v1")
