@@ -149,7 +149,10 @@ def rl_step(
     if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         if cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
             memory.for_weight_sync()
-            sync_weights(actor, engine, cfg, version=f"step-{step - 1}")
+            try:
+                sync_weights(actor, engine, cfg, version=f"step-{step - 1}")
+            except RolloutEngineError as err:  # rank 0 only; the next rollout restarts the server
+                print(f"step {step}: weight sync failed ({err}); recovering at the next rollout", flush=True)
         return {**rollout_metrics, **timings, **memory.pop_metrics(), "time/step": time.perf_counter() - t0}
 
     # 2. Advantages from the group-structured rewards.
