@@ -99,6 +99,26 @@ def _inner_optimizers(actor: MegatronActor) -> list:
     return list(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]))
 
 
+def _init_unstepped_adam_state(actor: MegatronActor) -> None:
+    """Give a torch Adam that never stepped the state its first step would create (step 0, zero moments).
+
+    Megatron's distributed optimizer reads the step count from that state when saving and fails without it
+    (a checkpoint before the first update: a run whose steps were all filtered by dynamic sampling). Torch's
+    Adam initialises exactly these values lazily, so the next step is unchanged.
+    """
+    for opt in _inner_optimizers(actor):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # TE / apex FusedAdam keep the step in their param groups
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _adam_steps(actor: MegatronActor) -> list[float | None]:
     """The per-parameter Adam step count of each (chained) optimizer.
 
@@ -158,6 +178,7 @@ def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_s
     metadata = _sharding_metadata()
     state = _model_sharded_state_dict(actor, metadata)
     if actor.optimizer is not None:
+        _init_unstepped_adam_state(actor)
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
     dist_checkpointing.save(state, str(tmp / "megatron"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")

@@ -208,6 +208,24 @@ def test_colocated_memory_phases_change_nothing_but_memory(model_dir: Path, tmp_
     assert json.loads(result.read_text()) == {"equal": True, "moved_from_initial": True}
 
 
+def test_steps_without_samples_checkpoint_and_resume(model_dir: Path, tmp_path: Path) -> None:
+    """No warm-up, dynamic sampling with one try: every group of the untrained model is filtered, no update
+    runs. The released engine weights are re-sent, the checkpoint of a never-stepped optimizer saves, and a
+    resumed run trains from it."""
+    run = tmp_path / "run"
+    common = ["warmup.sft_steps=0", "trainer.save_every=0", "data.eval=null", "data.eval_every=0",
+              "logging.plot=false", "trainer.offload_actor=true", "rollout.release_memory=true"]  # fmt: skip
+    _train(run, model_dir, *common, "trainer.steps=2", "algo.dynamic_sampling=true", "algo.max_dynamic_tries=1")
+    empty = _history(run)
+    assert [r["step"] for r in empty] == [1, 2]
+    assert all(r["rollout/filtered_group_frac"] == 1.0 and "actor/pg_loss" not in r for r in empty)
+    assert (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file()
+    _train(run, model_dir, *common, "trainer.steps=3", "algo.dynamic_sampling=false")
+    resumed = _history(run)[-1]
+    assert resumed["step"] == 3 and resumed["actor/ppo_kl_first"] == 0.0  # an update ran from the checkpoint
+    assert resumed["actor/grad_norm"] == resumed["actor/grad_norm"]  # finite (0 here: every reward is 0)
+
+
 def test_memory_release_is_refused_without_a_colocated_partner(model_dir: Path, tmp_path: Path) -> None:
     proc = _train(tmp_path / "bad", model_dir, "trainer.steps=1", "trainer.colocate=false",
                   "rollout.engine=sglang", "rollout.weight_sync=distributed", "rollout.release_memory=true",
