@@ -2,8 +2,9 @@
 
 Each layout runs `scripts/actor_layout_check.py` under torchrun with gloo: it loads the same HF
 checkpoint, scores a batch (log-probs, entropy, routed experts), exports the weights back to HF,
-and trains 3 PPO steps. Tolerances (fp32): log-probs and entropy 5e-6 absolute, loss 1e-6
-absolute, grad norm 1e-5 relative; routes and exported weights identical.
+and trains 3 PPO steps, offloading the training state to the host and back after the first.
+Tolerances (fp32): log-probs and entropy 5e-6 absolute, loss 1e-6 absolute, grad norm 1e-5 relative;
+routes and exported weights identical.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def test_single_process_invariants(single_process: dict) -> None:
     assert single_process["reference_equals_initial"]
     assert single_process["actor_restored"]
     assert single_process["reference_host_bytes"] > 0
+    assert single_process["offload"]["bytes"] > 0
+    assert single_process["offload"]["freed"] and single_process["offload"]["bitwise"]
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -73,6 +76,9 @@ def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe
     assert got["export_equal"], f"{name}: exported weights are not bitwise equal to the checkpoint"
     assert got["ppo_kl_first_update"] == 0.0
     assert got["reference_equals_initial"] and got["actor_restored"] and got["policy_moved"]
+    # An offload/reload between the first two updates frees every shard and changes nothing (the steps below
+    # still match the single process).
+    assert got["offload"]["bytes"] > 0 and got["offload"]["freed"] and got["offload"]["bitwise"], got["offload"]
     for step, (a, b) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
         assert abs(a["loss"] - b["loss"]) < 1e-6, f"{name} step {step}: loss {a['loss']} vs {b['loss']}"
         rel = abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]

@@ -73,11 +73,20 @@ def main() -> None:
         return loss * count, count, {"ppo_kl": metrics["ppo_kl"], "clip_frac_high": metrics["clip_frac_high"]}
 
     steps = []
-    for _ in range(3):
+    offload = {}
+    for i in range(3):
         start = time.perf_counter()
         metrics = actor.train_step(batch, loss_fn)
         metrics["seconds"] = time.perf_counter() - start
         steps.append(metrics)
+        if i == 0:  # park the training state on the host between two updates, as a colocated rollout does
+            before = actor.compute_log_probs(batch).log_probs
+            moved = actor.offload()
+            params = [p for module in actor.modules for p in module.parameters()]
+            freed = all(t.untyped_storage().nbytes() == 0 for p in params for t in (p, p.main_grad))
+            actor.reload()
+            same = torch.equal(actor.compute_log_probs(batch).log_probs, before)
+            offload = {"bytes": moved.bytes, "freed": freed, "bitwise": same}
     # First update of a step on data scored by the same weights: the ratio must be exactly 1.
     fresh = actor.compute_log_probs(batch)
     batch.fields["old_log_probs"] = fresh.log_probs
@@ -100,6 +109,7 @@ def main() -> None:
                 "actor_restored": torch.equal(after, trained),
                 "policy_moved": not torch.equal(trained, scored.log_probs),
                 "reference_host_bytes": reference.host_bytes,
+                "offload": offload,
             },
             open(args.out, "w"),
         )
