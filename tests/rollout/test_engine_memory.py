@@ -46,6 +46,14 @@ def test_release_frees_weights_and_resume_plus_update_restores_them(tiny_dir: Pa
     assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == before
     assert engine.weight_version == "v1"
 
+    # Other values this time: the re-allocated memory may hold the old bytes, the update must overwrite them.
+    engine.release_memory()
+    engine.resume_memory()
+    changed = {name: t + 0.5 for name, t in weights.items()}
+    engine.update_weights([list(changed.items())], "v2")
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, changed[name]), name
+
 
 def test_release_and_resume_are_idempotent_and_caches_keep_weights(tiny_dir: Path) -> None:
     engine = LocalEngine(tiny_dir)
