@@ -42,10 +42,6 @@ class ColocatedMemory:
         self.release_engine = release_engine and engine is not None
         self._metrics: dict[str, float] = {}
 
-    @property
-    def active(self) -> bool:
-        return self.offload_actor or self.release_engine
-
     def for_rollout(self) -> None:
         """Actor to the host, the engine's caches back (its weights are resident: the last sync filled them)."""
         if self.offload_actor and not self.actor.offloaded:
