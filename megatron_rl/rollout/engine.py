@@ -53,6 +53,15 @@ class RolloutEngine(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the accelerator memory of `tags` ("weights", "kv_cache", "cuda_graph"; None = all) for a colocated
+        trainer; released weights are discarded (`engine_memory.EngineMemory` has the contract)."""
+        ...
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Re-allocate released memory; resumed weights need `update_weights` before the next `generate`."""
+        ...
+
     def recover(self) -> list[str]:
         """Restart what failed (dead or unresponsive servers); the names restarted. Restarted servers serve
         the checkpoint they were launched from again: the caller re-sends the current weights."""
