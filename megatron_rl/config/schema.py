@@ -271,6 +271,12 @@ class TrainerConfig:
     resume: str = setting(
         "auto", help="auto = from the latest checkpoint in output_dir if any; never; or a checkpoint path"
     )
+    on_nonfinite: Literal["stop", "skip"] = setting(
+        "stop",
+        help="a NaN/inf loss or gradient: stop = raise an error naming the step and micro-batch before the update "
+        "touches the weights; skip = drop that update (no optimizer step), count it in actor/nonfinite_skipped and "
+        "go on",
+    )
 
 
 @dataclass(frozen=True)

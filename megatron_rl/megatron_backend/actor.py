@@ -13,6 +13,8 @@ count summed over micro-batches and data-parallel ranks, so the step minimises t
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,6 +34,8 @@ from megatron_rl.megatron_backend.offload import StorageOffload, TransferStats
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.routes import MoERouters
 
+logger = logging.getLogger(__name__)
+
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
@@ -50,6 +54,12 @@ class OptimizerOptions:
     adam_eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
     clip_grad: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0 = off)"})
     distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state over DP ranks"})
+
+
+class NonFiniteError(ValueError):
+    """A training update's loss or gradient is NaN/inf; the update was not applied. A ValueError like the
+    project's other input errors (the CLI prints its one line): the cause is an input of the run (learning
+    rate, rewards, data), not the code."""
 
 
 @dataclass
@@ -558,6 +568,8 @@ class MegatronActor:
         with_entropy: bool = False,
         replay_routes: bool = False,
         lr: float | None = None,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
+        where: str = "this update",
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this call's global batch); returns averaged metrics.
 
@@ -565,6 +577,10 @@ class MegatronActor:
         metrics then include `routing/agreement`, `routing/token_all_layers_agree` and
         `routing/layer_<i>_agreement` (replayed vs natural routes of the weights before this step).
         `lr`: use this learning rate for this step and leave the LR schedule where it is (warm-up stages).
+        A NaN/inf loss in any micro-batch or gradient, on any rank, stops the update before the optimizer
+        touches the weights: `on_nonfinite="stop"` raises `NonFiniteError` (naming `where` and the micro-batch);
+        "skip" drops the gradients, leaves the optimizer, schedule and `self.step` alone and returns the metrics
+        with `nonfinite_skipped` = 1.
         """
         self._check_resident("train_step")
         for chunk in self.chunks:
@@ -584,12 +600,25 @@ class MegatronActor:
 
         outputs, _ = self._run(micro_batches, loss_func, forward_only=False, replay_routes=replay_routes)
         agreement = self.last_route_agreement
+        problem = self._find_nonfinite(outputs, len(micro_batches), where)
+        if problem is not None:
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            if on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"{problem}; the update was not applied (lower optimizer.lr or check the rewards; "
+                    "trainer.on_nonfinite=skip skips such updates)"
+                )
+            if dist.get_rank() == 0:
+                logger.warning("%s; update skipped (trainer.on_nonfinite=skip)", problem)
+            return {**self._reduce_metrics(outputs, None), "nonfinite_skipped": 1.0}
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: gradients were not finite (NaN/inf loss?)")
+        if not ok:  # only with a loss scaler (fp16), which found an overflow the check above did not
+            raise NonFiniteError(f"gradient overflow at {where}: the optimizer skipped the update")
         if lr is None:
             self.scheduler.step(increment=1)
             self.step += 1
@@ -601,6 +630,33 @@ class MegatronActor:
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))
         return metrics
+
+    def _find_nonfinite(self, outputs: list, count: int, where: str) -> str | None:
+        """Collective: why this update must not be applied (a NaN/inf micro-batch loss or gradient on any
+        rank), else None. The gradient check reads DDP's reduced grad buckets, before the optimizer clips
+        them (clipping by a NaN norm would spread the NaN to every weight)."""
+        bad_micro_batch, detail = 0, ""
+        for i, out in enumerate(outputs if _is_last_stage() else [], start=1):
+            loss = float(out["loss_sum"])
+            if not math.isfinite(loss):
+                values = {"loss_sum": loss, **{k: v for k, v in out["metrics"].items() if k != "_count"}}
+                detail = ", ".join(f"{k}={v:g}" for k, v in values.items() if not math.isfinite(v))
+                bad_micro_batch = i
+                break
+        bad_grads = torch.zeros((), device=platform.device())
+        for chunk in self.chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                for bucket in buffer.buckets:  # bucket by bucket: the bool temporary stays small
+                    bad_grads = bad_grads.logical_or(~torch.isfinite(bucket.grad_data).all())
+        flags = torch.stack([torch.tensor(float(bad_micro_batch), device=bad_grads.device), bad_grads.float()])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        micro_batch, grads = int(flags[0]), bool(flags[1])
+        if micro_batch:
+            values = f" ({detail})" if micro_batch == bad_micro_batch else " (on another rank)"
+            return f"non-finite loss at {where}, micro-batch {micro_batch} of {count}{values}"
+        if grads:
+            return f"non-finite gradient at {where} (every micro-batch loss is finite)"
+        return None
 
     def _reduce_metrics(self, outputs: list, grad_norm: float | None) -> dict[str, float]:
         """Count-weighted means of the loss and the loss_fn's metrics over micro-batches and DP ranks."""

@@ -196,16 +196,22 @@ def rl_step(
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     t = time.perf_counter()
+    mini_batches = [part for parts in epochs for part in parts]
     updates = [
         actor.train_step(
             routes.attach(select(batch, part), part) if routes else select(batch, part),
             loss_fn,
             with_entropy=True,
             replay_routes=routes is not None,
+            on_nonfinite=cfg.trainer.on_nonfinite,
+            where=f"step {step}, update {i + 1} of {len(mini_batches)}",
         )
-        for parts in epochs
-        for part in parts
+        for i, part in enumerate(mini_batches)
     ]
+    # Updates dropped for a NaN/inf loss or gradient (trainer.on_nonfinite=skip) are counted, not averaged.
+    applied = [u for u in updates if not u.pop("nonfinite_skipped", 0.0)]
+    metrics["actor/nonfinite_skipped"] = float(len(updates) - len(applied))
+    updates = applied or updates
     # Replayed routes vs the routes each update's weights would choose (routing.agreement), mean over updates.
     routing = [{k: u.pop(k) for k in list(u) if k.startswith("routing/")} for u in updates]
     metrics.update(_mean_metrics(updates))
