@@ -18,6 +18,8 @@ layout (Megatron's sharded tensors carry global keys); the distributed optimizer
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import re
@@ -160,6 +162,56 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
+
+
+def _out_of_space(err: BaseException) -> str | None:
+    """The reason ("No space left on device", ...) if a full disk is behind `err`. Megatron's writer runs in
+    worker processes and torch.distributed.checkpoint gathers their errors by pickling, which drops the
+    `OSError` cause: only the message survives."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple | list):  # a failure may come as (exception, traceback)
+            todo += e
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _OUT_OF_SPACE:
+            return e.strerror
+        reason = next((os.strerror(code) for code in _OUT_OF_SPACE if os.strerror(code) in str(e)), None)
+        if reason is not None:
+            return reason
+        failures = getattr(e, "failures", None)
+        todo += [e.__cause__, e.__context__, *e.args, *(failures.values() if isinstance(failures, dict) else ())]
+    return None
+
+
+def _reports_out_of_space(save):
+    """`save_checkpoint` that turns a full disk into one line naming the folder, after removing the partial save
+    (the previous checkpoint stays `latest`), instead of a traceback from deep inside the writer."""
+
+    @functools.wraps(save)
+    def save_or_report(actor: MegatronActor, root: str | Path, step: int, *args, **kwargs) -> Path:
+        try:
+            return save(actor, root, step, *args, **kwargs)
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            reason = _out_of_space(err)
+            if reason is None:
+                raise
+            root = Path(root)
+            shutil.rmtree(root / f".tmp_{step_dir_name(step)}", ignore_errors=True)
+            previous = latest_checkpoint(root)
+            raise CheckpointError(
+                f"no space left for checkpoint {step_dir_name(step)} in {root} ({reason}); the partial save "
+                f"was removed and the latest checkpoint is still {previous.name if previous else 'none'}: free space "
+                "(or set trainer.output_dir elsewhere) and resume with trainer.resume=auto"
+            ) from err
+
+    return save_or_report
+
+
+@_reports_out_of_space
 def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_state: dict, *, keep_last: int = 2):
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
