@@ -187,6 +187,18 @@ class SGLangConfig:
     request_timeout_s: float = setting(1800.0, help="seconds one generate request may take", gt=0)
     python: str = setting("python3", help="Python executable with sglang installed, used to launch the servers")
     extra_args: tuple[str, ...] = setting((), help="further `sglang.launch_server` flags for launched servers")
+    api_key_file: str | None = setting(
+        None,
+        help="file (mode 0600) holding the servers' API key (SGLang --api-key; sent as 'Authorization: Bearer'). "
+        "Launched servers: null = a fresh random key per run in <output_dir>/.rollout_api_key; a path = that "
+        "file's key, created with a fresh one when missing. With urls: the running servers' key (or api_key_env); "
+        "null with no api_key_env = servers without a key. The key itself is never a config value",
+    )
+    api_key_env: str | None = setting(
+        None,
+        help="with urls: name of an environment variable holding the running servers' API key (instead of "
+        "api_key_file)",
+    )
 
 
 @dataclass(frozen=True)

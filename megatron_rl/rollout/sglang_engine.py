@@ -12,6 +12,7 @@
   `/release_memory_occupation` / `/resume_memory_occupation` on every server, state kept by `EngineMemory`.
 - update_weights: delegated to a `weight_sync` strategy (tensor / distributed / disk).
 - errors: a dead server or a request that hangs raises `SGLangServerError` within `request_timeout_s`.
+- auth: every request (generate, control, weight sync) carries the servers' API key (`servers.api_key`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class SGLangEngine:
         self,
         servers: SGLangServers | list[str],
         *,
+        api_key: str | None = None,
         weight_sync: WeightSync | str = "tensor",
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
@@ -55,7 +57,7 @@ class SGLangEngine:
         stop_on_eos: bool = True,
         extra_sampling_params: dict[str, Any] | None = None,
     ):
-        """`servers`: launched/connected `SGLangServers` or plain URLs.
+        """`servers`: launched/connected `SGLangServers` or plain URLs (then `api_key` is their key).
 
         `weight_sync`: "tensor" | "distributed" | "disk" or a configured strategy (see `weight_sync.py`).
         `request_timeout_s`: longest a /generate request may take; `control_timeout_s`: other endpoints.
@@ -65,7 +67,9 @@ class SGLangEngine:
         `stop_on_eos`: also stop at the model's EOS (SGLang's `ignore_eos=false`), as `LocalEngine`.
         `extra_sampling_params`: further SGLang sampling keys sent with every request (e.g. `min_new_tokens`).
         """
-        self.servers = servers if isinstance(servers, SGLangServers) else SGLangServers.connect(list(servers))
+        self.servers = (
+            servers if isinstance(servers, SGLangServers) else SGLangServers.connect(list(servers), api_key=api_key)
+        )
         self.weight_sync = make_weight_sync(weight_sync) if isinstance(weight_sync, str) else weight_sync
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -84,6 +88,10 @@ class SGLangEngine:
     @property
     def urls(self) -> list[str]:
         return self.servers.urls
+
+    @property
+    def _key(self) -> str | None:
+        return self.servers.api_key
 
     # ------------------------------------------------------------------ RolloutEngine
     @property
@@ -123,7 +131,9 @@ class SGLangEngine:
         """Stream HF-named full tensors to every server with the configured path; later samples carry `version`."""
         self.memory.check_can_update()
         try:
-            self.last_sync = self.weight_sync.update(self.urls, buckets, version, timeout_s=self.request_timeout_s)
+            self.last_sync = self.weight_sync.update(
+                self.urls, buckets, version, timeout_s=self.request_timeout_s, api_key=self._key
+            )
         except SGLangServerError as err:
             self._stale = f"the update to weights {version!r} failed ({err})"
             raise
@@ -160,7 +170,7 @@ class SGLangEngine:
         self._broadcast("/abort_request", {"abort_all": True})
 
     def healthy(self) -> bool:
-        return all(is_healthy(url, timeout_s=self.control_timeout_s) for url in self.urls)
+        return all(is_healthy(url, timeout_s=self.control_timeout_s, api_key=self._key) for url in self.urls)
 
     def recover(self) -> list[str]:
         """Restart every launched server that is dead or does not answer `/health` within `control_timeout_s`.
@@ -171,7 +181,7 @@ class SGLangEngine:
         """
         failed = [
             i for i, url in enumerate(self.urls)
-            if not self.servers.alive(i) or not is_healthy(url, timeout_s=self.control_timeout_s)
+            if not self.servers.alive(i) or not is_healthy(url, timeout_s=self.control_timeout_s, api_key=self._key)
         ]  # fmt: skip
         if failed and self.servers.config is None:
             raise SGLangServerError(
@@ -182,7 +192,7 @@ class SGLangEngine:
             logger.warning("restarting SGLang server %d (%s); log tail:\n%s", i, self.urls[i], self.servers.log_tail(i))
             self.servers.restart(i)
         if failed or self._stale is not None:
-            self.weight_sync.reset([u for i, u in enumerate(self.urls) if i not in failed])
+            self.weight_sync.reset([u for i, u in enumerate(self.urls) if i not in failed], api_key=self._key)
             self._version = self._read_version()
             self._stale = None  # the caller re-sends the weights next
         if failed:
@@ -204,7 +214,7 @@ class SGLangEngine:
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        out = request_json(self.urls[server], "/generate", body, timeout_s=self.request_timeout_s)
+        out = request_json(self.urls[server], "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
         return [float(lp) for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
 
     def flush_cache(self) -> None:
@@ -222,7 +232,7 @@ class SGLangEngine:
         }
         if want_routes:
             body["return_routed_experts"] = True
-        out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s)
+        out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
         items = out if isinstance(out, list) else [out]
         if len(items) != n:
             raise SGLangServerError(f"SGLang {url}/generate returned {len(items)} outputs for n={n}")
@@ -267,7 +277,7 @@ class SGLangEngine:
 
     def _routed_experts_layout(self) -> tuple[int, int, int]:
         if self._routed_shape is None or self._num_experts is None:
-            info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s)
+            info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
             config_path = Path(info["model_path"]) / "config.json"
             if not config_path.exists():
                 raise ValueError(
@@ -284,12 +294,16 @@ class SGLangEngine:
 
     def _read_version(self) -> str:
         try:
-            return str(request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s)["weight_version"])
+            info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
+            return str(info["weight_version"])
         except (SGLangServerError, KeyError, TypeError):
             return "default"
 
     def _broadcast(self, path: str, body: dict) -> None:
-        futures = [self._pool.submit(request_json, u, path, body, timeout_s=self.control_timeout_s) for u in self.urls]
+        futures = [
+            self._pool.submit(request_json, u, path, body, timeout_s=self.control_timeout_s, api_key=self._key)
+            for u in self.urls
+        ]
         for fut in futures:
             fut.result()
 

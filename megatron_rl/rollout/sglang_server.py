@@ -7,6 +7,10 @@ its own port, logging to its own file. `SGLangServers.connect(urls)` wraps serve
 With N > 1 and `router=True` an `sglang-router` (0.3.x, `POST /workers` registration) is put in front; it only
 proxies /generate, so weight sync, abort and pause always go to every server directly (reference/sglang.md §3.7).
 
+Every launched server and router gets the run's API key (`api_key.py`): started through
+`sglang_keyed_launch.py`, which reads it from a 0600 file inside the server process (never on a command line),
+and every request made here sends it as `Authorization: Bearer <key>`. Their logs are created 0600.
+
 Platform specifics (CPU shims, `--device cpu`) are not handled here: callers pass `extra_args` and `env`.
 """
 
@@ -25,11 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.rollout.api_key import API_KEY_FILE_NAME, auth_headers, create_api_key_file, read_api_key_file
 from megatron_rl.rollout.engine import RolloutEngineError
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.5
+_KEYED_LAUNCH = Path(__file__).with_name("sglang_keyed_launch.py")
 
 
 class SGLangServerError(RolloutEngineError):
@@ -37,8 +43,12 @@ class SGLangServerError(RolloutEngineError):
 
 
 # ---------------------------------------------------------------------------------------------- HTTP client
-def request_json(url: str, path: str, body: Any = None, *, timeout_s: float, method: str | None = None) -> Any:
+def request_json(
+    url: str, path: str, body: Any = None, *, timeout_s: float, method: str | None = None, api_key: str | None = None
+) -> Any:
     """POST `body` as JSON (GET when `body` is None) to `url + path`; the decoded JSON answer (None if empty).
+
+    `api_key`: sent as `Authorization: Bearer <key>` (the servers' `--api-key`); a wrong or missing key is HTTP 401.
 
     Raises `SGLangServerError` naming the server and endpoint: unreachable, no answer within `timeout_s`, or an
     HTTP error status (with the server's message).
@@ -48,7 +58,7 @@ def request_json(url: str, path: str, body: Any = None, *, timeout_s: float, met
         url.rstrip("/") + path,
         data=data,
         method=method or ("GET" if body is None else "POST"),
-        headers={"Content-Type": "application/json"} if data is not None else {},
+        headers={**({"Content-Type": "application/json"} if data is not None else {}), **auth_headers(api_key)},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -71,10 +81,11 @@ def request_json(url: str, path: str, body: Any = None, *, timeout_s: float, met
         return raw.decode(errors="replace")
 
 
-def is_healthy(url: str, timeout_s: float = 5.0) -> bool:
-    """True when `GET /health` answers 200 (SGLang runs a 1-token generation for it)."""
+def is_healthy(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> bool:
+    """True when `GET /health` answers 200 (SGLang runs a 1-token generation for it; it needs no key, but
+    one is sent anyway, so a proxy that checks every path also passes)."""
     try:
-        request_json(url, "/health", timeout_s=timeout_s)
+        request_json(url, "/health", timeout_s=timeout_s, api_key=api_key)
         return True
     except SGLangServerError:
         return False
@@ -102,26 +113,42 @@ class SGLangLaunchConfig:
     startup_timeout_s: float = field(default=300.0, metadata={"help": "seconds to wait for /health after launch"})
     router: bool = field(default=False, metadata={"help": "put sglang-router in front when num_servers > 1"})
     router_policy: str = field(default="round_robin", metadata={"help": "sglang-router load-balancing policy"})
+    api_key_file: str = field(
+        default="",
+        metadata={
+            "help": "0600 file with the servers' and router's API key: used when it exists, else created with a "
+            f"fresh random key; empty = `log_dir`/{API_KEY_FILE_NAME}"
+        },
+    )
 
 
 class SGLangServers:
     """A set of SGLang servers (launched here or connected to) and, optionally, a router in front."""
 
-    def __init__(self, urls: list[str], *, config: SGLangLaunchConfig | None = None, router_url: str | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        config: SGLangLaunchConfig | None = None,
+        router_url: str | None = None,
+        api_key: str | None = None,
+    ):
         self.urls = [u.rstrip("/") for u in urls]
         self.config = config
         self.router_url = router_url
+        self.api_key = api_key  # sent with every request; never logged
+        self.api_key_file: Path | None = None  # launched servers: where the key is (passed to them, not the key)
         self._procs: list[subprocess.Popen | None] = [None] * len(urls)
         self._router_proc: subprocess.Popen | None = None
         self._logs: list[Path | None] = [None] * len(urls)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def connect(cls, urls: list[str], *, router_url: str | None = None) -> SGLangServers:
-        """Wrap servers started elsewhere (`stop()`/`restart()` are then unavailable)."""
+    def connect(cls, urls: list[str], *, router_url: str | None = None, api_key: str | None = None) -> SGLangServers:
+        """Wrap servers started elsewhere (`stop()`/`restart()` are then unavailable); `api_key`: their key."""
         if not urls:
             raise ValueError("connect() needs at least one server URL")
-        return cls(list(urls), router_url=router_url)
+        return cls(list(urls), router_url=router_url, api_key=api_key)
 
     @classmethod
     def launch(cls, config: SGLangLaunchConfig) -> SGLangServers:
@@ -131,8 +158,11 @@ class SGLangServers:
         if config.ports and len(config.ports) != config.num_servers:
             raise ValueError(f"{len(config.ports)} ports for {config.num_servers} servers")
         ports = list(config.ports) or [free_port(config.host) for _ in range(config.num_servers)]
-        servers = cls([f"http://{config.host}:{p}" for p in ports], config=config)
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+        key_file = Path(config.api_key_file or Path(config.log_dir) / API_KEY_FILE_NAME)
+        api_key = read_api_key_file(key_file) if key_file.exists() else create_api_key_file(key_file)
+        servers = cls([f"http://{config.host}:{p}" for p in ports], config=config, api_key=api_key)
+        servers.api_key_file = key_file
         try:
             for i in range(config.num_servers):
                 servers._start(i)
@@ -149,9 +179,7 @@ class SGLangServers:
     def _start(self, i: int) -> None:
         config = self._need_config("start")
         port = int(self.urls[i].rsplit(":", 1)[1])
-        cmd = [
-            config.python,
-            "-m",
+        cmd = self._keyed_command(
             "sglang.launch_server",
             "--model-path",
             str(config.model_path),
@@ -160,11 +188,11 @@ class SGLangServers:
             "--port",
             str(port),
             *config.extra_args,
-        ]
+        )
         log_path = Path(config.log_dir) / f"sglang_{i}_{port}.log"
         self._logs[i] = log_path
         env = {**os.environ, **config.env}
-        with open(log_path, "ab") as log:
+        with _private_log(log_path) as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
             log.flush()
             self._procs[i] = subprocess.Popen(
@@ -179,18 +207,10 @@ class SGLangServers:
             raise SGLangServerError(f"a router is already running at {self.router_url}")
         port = free_port(config.host)
         log_path = Path(config.log_dir) / f"sglang_router_{port}.log"
-        cmd = [
-            config.python,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            config.host,
-            "--port",
-            str(port),
-            "--policy",
-            config.router_policy,
-        ]
-        with open(log_path, "ab") as log:
+        cmd = self._keyed_command(
+            "sglang_router.launch_router", "--host", config.host, "--port", str(port), "--policy", config.router_policy
+        )  # its --api-key guards the router's endpoints and is sent to the workers
+        with _private_log(log_path) as log:
             self._router_proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
@@ -198,7 +218,7 @@ class SGLangServers:
         deadline = time.monotonic() + 60
         while True:
             try:
-                request_json(self.router_url, "/liveness", timeout_s=2)
+                request_json(self.router_url, "/liveness", timeout_s=2, api_key=self.api_key)
                 break
             except SGLangServerError:
                 if self._router_proc.poll() is not None or time.monotonic() > deadline:
@@ -211,10 +231,11 @@ class SGLangServers:
         """`POST /workers` (sglang-router 0.3.x; registration is asynchronous) and wait until it is listed."""
         if self.router_url is None:
             raise ValueError("no router")
-        request_json(self.router_url, "/workers", {"url": url}, timeout_s=10)
+        body = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}  # the key the router sends it
+        request_json(self.router_url, "/workers", body, timeout_s=10, api_key=self.api_key)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            listed = request_json(self.router_url, "/workers", timeout_s=10)
+            listed = request_json(self.router_url, "/workers", timeout_s=10, api_key=self.api_key)
             workers = listed.get("workers", listed) if isinstance(listed, dict) else listed
             if any(isinstance(w, dict) and w.get("url", "").rstrip("/") == url for w in workers or []):
                 return
@@ -231,7 +252,7 @@ class SGLangServers:
                     f"SGLang server {i} ({self.urls[i]}) exited with code {proc.returncode} during start-up; "
                     f"log tail:\n{self.log_tail(i)}"
                 )
-            if is_healthy(self.urls[i], timeout_s=10):
+            if is_healthy(self.urls[i], timeout_s=10, api_key=self.api_key):
                 return
             if time.monotonic() > deadline:
                 raise SGLangServerError(
@@ -245,7 +266,7 @@ class SGLangServers:
         proc = self._procs[i]
         if proc is not None:
             return proc.poll() is None
-        return is_healthy(self.urls[i])
+        return is_healthy(self.urls[i], api_key=self.api_key)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to server `i`'s whole process group (its scheduler and detokenizer too)."""
@@ -283,6 +304,12 @@ class SGLangServers:
             return "(no log)"
         return path.read_text(errors="replace")[-chars:]
 
+    def _keyed_command(self, module: str, *args: str) -> list[str]:
+        """`python -m module args --api-key <key>`, with the key read from its file inside the new process."""
+        config = self._need_config("start")
+        assert self.api_key_file is not None
+        return [config.python, "-P", str(_KEYED_LAUNCH), str(self.api_key_file), module, *args]
+
     def _need_config(self, what: str) -> SGLangLaunchConfig:
         if self.config is None:
             raise SGLangServerError(f"cannot {what}: these servers were connected to, not launched here")
@@ -293,6 +320,11 @@ class SGLangServers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _private_log(path: Path):
+    """`path` opened for appending, created 0600: SGLang logs name the weight-sync group (docs/security.md)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:

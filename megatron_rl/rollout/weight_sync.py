@@ -14,6 +14,9 @@ Input everywhere: an iterable of buckets `list[(hf_name, full_tensor)]`, e.g.
 
 Every path ends with the new `weight_version` on the servers and a flushed prefix cache; `update()` returns a
 `SyncReport` (bytes, seconds). `check_weights_arrived()` compares served log-probs of a probe with expected ones.
+Every HTTP call carries the servers' API key (`api_key=`). The broadcast group's TCP store listens on
+`master_address` only and its keys sit under a fresh random prefix that only the servers learn, over the
+authenticated API (docs/security.md says what that does and does not protect).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import base64
 import json
 import logging
 import pickle
+import secrets
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_rl.rollout.sglang_server import SGLangServerError, free_port, request_json
+from megatron_rl.rollout.sglang_server import SGLangServerError, request_json
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +64,16 @@ class SyncReport:
 
 class WeightSync(Protocol):
     def update(
-        self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
+        self,
+        urls: list[str],
+        buckets: Iterable[NamedTensorBucket],
+        version: str,
+        *,
+        timeout_s: float,
+        api_key: str | None = None,
     ) -> SyncReport: ...
 
-    def reset(self, live_urls: list[str]) -> None:
+    def reset(self, live_urls: list[str], api_key: str | None = None) -> None:
         """Forget per-server state after a server restart (`live_urls`: the servers that kept running)."""
         ...
 
@@ -98,14 +109,10 @@ def _each(urls: list[str], fn: Callable[[str], object]) -> list:
     return [f.result() for f in futures]
 
 
-def _finish(urls: list[str], version: str, timeout_s: float) -> None:
-    _each(urls, lambda u: request_json(u, "/flush_cache", {}, timeout_s=timeout_s))
-    _each(
-        urls,
-        lambda u: request_json(
-            u, "/update_weight_version", {"new_version": version, "abort_all_requests": False}, timeout_s=timeout_s
-        ),
-    )
+def _finish(urls: list[str], version: str, timeout_s: float, api_key: str | None) -> None:
+    _each(urls, lambda u: request_json(u, "/flush_cache", {}, timeout_s=timeout_s, api_key=api_key))
+    body = {"new_version": version, "abort_all_requests": False}
+    _each(urls, lambda u: request_json(u, "/update_weight_version", body, timeout_s=timeout_s, api_key=api_key))
 
 
 def _check_success(url: str, path: str, answer: object) -> None:
@@ -116,18 +123,19 @@ def _check_success(url: str, path: str, answer: object) -> None:
 class _Session:
     """`/begin_weight_update` … `/end_weight_update` on every server (mandatory since SGLang 0.5.22)."""
 
-    def __init__(self, urls: list[str], timeout_s: float):
-        self.urls, self.timeout_s = urls, timeout_s
+    def __init__(self, urls: list[str], timeout_s: float, api_key: str | None):
+        self.urls, self.timeout_s, self.api_key = urls, timeout_s, api_key
+
+    def _call(self, path: str, body: dict) -> None:
+        _each(self.urls, lambda u: request_json(u, path, body, timeout_s=self.timeout_s, api_key=self.api_key))
 
     def __enter__(self) -> _Session:
-        _each(
-            self.urls, lambda u: request_json(u, "/begin_weight_update", {"selector": "all"}, timeout_s=self.timeout_s)
-        )
+        self._call("/begin_weight_update", {"selector": "all"})
         return self
 
     def __exit__(self, *exc) -> None:
         try:
-            _each(self.urls, lambda u: request_json(u, "/end_weight_update", {}, timeout_s=self.timeout_s))
+            self._call("/end_weight_update", {})
         except SGLangServerError:
             if exc[0] is None:
                 raise
@@ -142,16 +150,22 @@ class TensorWeightSync:
     tp_size: int = 1
     split_experts: bool = True
 
-    def reset(self, live_urls: list[str]) -> None:
+    def reset(self, live_urls: list[str], api_key: str | None = None) -> None:
         """Stateless between updates: nothing to forget after a server restart."""
 
     def update(
-        self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
+        self,
+        urls: list[str],
+        buckets: Iterable[NamedTensorBucket],
+        version: str,
+        *,
+        timeout_s: float,
+        api_key: str | None = None,
     ) -> SyncReport:
         start, tensors, count, nbytes = time.perf_counter(), 0, 0, 0
         if self.split_experts:
             buckets = split_expert_buckets(buckets)
-        with _Session(urls, timeout_s):
+        with _Session(urls, timeout_s, api_key):
             for bucket in buckets:
                 payload = serialize_bucket(bucket)
                 body = {
@@ -164,12 +178,12 @@ class TensorWeightSync:
                     _check_success(
                         url,
                         "/update_weights_from_tensor",
-                        request_json(url, "/update_weights_from_tensor", body, timeout_s=timeout_s),
+                        request_json(url, "/update_weights_from_tensor", body, timeout_s=timeout_s, api_key=api_key),
                     )
 
                 _each(urls, send)
                 tensors, count, nbytes = tensors + len(bucket), count + 1, nbytes + _nbytes(bucket)
-        _finish(urls, version, timeout_s)
+        _finish(urls, version, timeout_s, api_key)
         return SyncReport("tensor", tensors, count, nbytes, time.perf_counter() - start)
 
 
@@ -188,7 +202,7 @@ class DistributedWeightSync:
     master_address: str = "127.0.0.1"
     master_port: int = 0  # 0 = a free port
     tp_size: int = 1  # TP ranks per server (engine rank = 1 + server index * tp_size + tp rank)
-    group_name: str = "megatron_rl_weight_update"
+    group_name: str = "megatron_rl_weight_update"  # + a fresh random suffix per group (the store's key prefix)
     init_timeout_s: float = 120.0
     split_experts: bool = True
 
@@ -196,12 +210,20 @@ class DistributedWeightSync:
         self._group = None
         self._urls: list[str] | None = None
         self._device = torch.device("cpu")
+        self._api_key: str | None = None
+        self._group_id = self.group_name  # the current group's name: group_name + a random suffix
 
-    def connect(self, urls: list[str], timeout_s: float) -> None:
-        """Create the group: every server joins via HTTP while this process joins as rank 0."""
+    def connect(self, urls: list[str], timeout_s: float, api_key: str | None = None) -> None:
+        """Create the group: every server joins via HTTP while this process joins as rank 0.
+
+        The store listens on `master_address` only; the group's name (its keys' prefix in the store) gets a fresh
+        random suffix that the servers learn only through the authenticated `/init_weights_update_group`."""
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        port = self.master_port or free_port(self.master_address)
+        self._api_key = api_key
+        self._group_id = f"{self.group_name}_{secrets.token_hex(16)}"
+        listener = _listen(self.master_address, self.master_port)
+        port = listener.getsockname()[1]
         world_size = 1 + len(urls) * self.tp_size
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
             futures = [
@@ -214,25 +236,27 @@ class DistributedWeightSync:
                         "master_port": port,
                         "rank_offset": 1 + i * self.tp_size,
                         "world_size": world_size,
-                        "group_name": self.group_name,
+                        "group_name": self._group_id,
                         "backend": backend,
                     },
                     timeout_s=timeout_s,
+                    api_key=api_key,
                 )
                 for i, url in enumerate(urls)
             ]
             self._group = _new_process_group(
-                backend, self.master_address, port, world_size, self.group_name, self.init_timeout_s
+                backend, listener, world_size, self._group_id, self.init_timeout_s, self.master_address
             )
         for url, fut in zip(urls, futures, strict=True):
             _check_success(url, "/init_weights_update_group", fut.result())
         self._urls = list(urls)
 
-    def reset(self, live_urls: list[str]) -> None:
+    def reset(self, live_urls: list[str], api_key: str | None = None) -> None:
         """Drop the group after a server restart; the next update builds a new one with every server."""
         for url in live_urls:
             try:
-                request_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=60)
+                body = {"group_name": self._group_id}
+                request_json(url, "/destroy_weights_update_group", body, timeout_s=60, api_key=api_key or self._api_key)
             except SGLangServerError as err:  # the survivor may not have joined the old group
                 logger.warning("could not leave the old weight-update group on %s: %s", url, err)
         if self._group is not None:
@@ -241,34 +265,39 @@ class DistributedWeightSync:
 
     def close(self) -> None:
         if self._urls is not None:
+            body = {"group_name": self._group_id}
             _each(
                 self._urls,
-                lambda u: request_json(
-                    u, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=60
-                ),
+                lambda u: request_json(u, "/destroy_weights_update_group", body, timeout_s=60, api_key=self._api_key),
             )
         if self._group is not None:
             torch.distributed.destroy_process_group(self._group)
         self._group, self._urls = None, None
 
     def update(
-        self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
+        self,
+        urls: list[str],
+        buckets: Iterable[NamedTensorBucket],
+        version: str,
+        *,
+        timeout_s: float,
+        api_key: str | None = None,
     ) -> SyncReport:
         start = time.perf_counter()
         if self._urls != list(urls):
             if self._urls is not None:
                 self.close()
-            self.connect(urls, timeout_s)
+            self.connect(urls, timeout_s, api_key)
         tensors, count, nbytes = 0, 0, 0
         if self.split_experts:
             buckets = split_expert_buckets(buckets)
-        with _Session(urls, timeout_s):
+        with _Session(urls, timeout_s, api_key):
             for bucket in buckets:
                 body = {
                     "names": [n for n, _ in bucket],
                     "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name,
+                    "group_name": self._group_id,
                     "flush_cache": False,
                     "weight_version": version,
                 }
@@ -281,7 +310,7 @@ class DistributedWeightSync:
                             _each(
                                 urls,
                                 lambda u: request_json(
-                                    u, "/update_weights_from_distributed", body, timeout_s=timeout_s
+                                    u, "/update_weights_from_distributed", body, timeout_s=timeout_s, api_key=api_key
                                 ),
                             )
                         )
@@ -300,19 +329,41 @@ class DistributedWeightSync:
                 for url, answer in zip(urls, answers, strict=True):
                     _check_success(url, "/update_weights_from_distributed", answer)
                 tensors, count, nbytes = tensors + len(bucket), count + 1, nbytes + _nbytes(bucket)
-        _finish(urls, version, timeout_s)
+        _finish(urls, version, timeout_s, api_key)
         return SyncReport("distributed", tensors, count, nbytes, time.perf_counter() - start)
 
 
-def _new_process_group(backend: str, host: str, port: int, world_size: int, group_name: str, timeout_s: float):
-    """Rank 0 of a process group outside the default one, compatible with SGLang's `init_custom_process_group`."""
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` only (`port` 0 = a free one), for the store; TCPStore alone listens on
+    every interface."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise SGLangServerError(
+            f"cannot listen on {host}:{port} for the weight-sync group ({err}); rollout.sglang.trainer_address "
+            "must be an address of trainer rank 0's node"
+        ) from err
+    return sock
+
+
+def _new_process_group(
+    backend: str, listener: socket.socket, world_size: int, group_name: str, timeout_s: float, host: str
+):
+    """Rank 0 of a process group outside the default one, compatible with SGLang's `init_custom_process_group`;
+    its store serves on `listener` (bound to `host`), under the key prefix `group_name`."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
     # The store is made here, not by `rendezvous("tcp://...")`: under torchrun that would only connect to
     # torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting the servers' rendezvous.
-    store = PrefixStore(group_name, TCPStore(host, port, world_size, is_master=True, timeout=timeout))
+    port = listener.getsockname()[1]
+    master = TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+    store = PrefixStore(group_name, master)
     group, _ = _new_process_group_helper(
         world_size, 0, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
     )
@@ -334,11 +385,17 @@ class DiskWeightSync:
         # temporary directory as its model_path.
         self._base = self.base_model_dir
 
-    def reset(self, live_urls: list[str]) -> None:
+    def reset(self, live_urls: list[str], api_key: str | None = None) -> None:
         """Nothing to forget after a server restart (it serves its original model_path again)."""
 
     def update(
-        self, urls: list[str], buckets: Iterable[NamedTensorBucket], version: str, *, timeout_s: float
+        self,
+        urls: list[str],
+        buckets: Iterable[NamedTensorBucket],
+        version: str,
+        *,
+        timeout_s: float,
+        api_key: str | None = None,
     ) -> SyncReport:
         import tempfile
 
@@ -348,7 +405,7 @@ class DiskWeightSync:
         out = Path(self.directory or tempfile.mkdtemp(prefix="megatron_rl_weights_"))
         out.mkdir(parents=True, exist_ok=True)
         if not self._base:
-            self._base = request_json(urls[0], "/model_info", timeout_s=timeout_s)["model_path"]
+            self._base = request_json(urls[0], "/model_info", timeout_s=timeout_s, api_key=api_key)["model_path"]
         base = Path(self._base)
         for f in base.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
@@ -366,7 +423,9 @@ class DiskWeightSync:
         _each(
             urls,
             lambda u: _check_success(
-                u, "/update_weights_from_disk", request_json(u, "/update_weights_from_disk", body, timeout_s=timeout_s)
+                u,
+                "/update_weights_from_disk",
+                request_json(u, "/update_weights_from_disk", body, timeout_s=timeout_s, api_key=api_key),
             ),
         )
         if not self.keep and not self.directory:

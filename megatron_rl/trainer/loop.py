@@ -498,8 +498,11 @@ def build_engine(cfg: RLConfig, model_dir: Path):
             "torch_memory_saver (CUDA only), and its CPU server exits on /release_memory_occupation; set "
             "rollout.release_memory=false here"
         )
+    from megatron_rl.rollout.api_key import client_api_key, launch_api_key_file
+
     if sg.urls:
-        servers = SGLangServers.connect(list(sg.urls), router_url=sg.router_url or None)
+        api_key = client_api_key(sg.api_key_file, sg.api_key_env)
+        servers = SGLangServers.connect(list(sg.urls), router_url=sg.router_url or None, api_key=api_key)
     else:
         flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
         flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
@@ -518,6 +521,7 @@ def build_engine(cfg: RLConfig, model_dir: Path):
                 startup_timeout_s=sg.startup_timeout_s,
                 router=sg.router,
                 router_policy=sg.router_policy,
+                api_key_file=str(launch_api_key_file(sg.api_key_file, cfg.trainer.output_dir)),
             )
         )
     weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)

@@ -1,10 +1,17 @@
 # Shared parts of the SLURM templates (sourced by colocated.sbatch and disaggregated.sbatch).
 # Expects: PYTHON, SGLANG_PYTHON, RUN_DIR, LOG_DIR, GPUS_PER_NODE, MASTER_PORT, HEALTH_TIMEOUT, NODES (array);
-# optional SGLANG_EXTRA_ARGS (further sglang.launch_server flags, space-separated).
+# optional SGLANG_EXTRA_ARGS (further sglang.launch_server flags, space-separated) and SGLANG_HOST (the address
+# servers and router listen on; default: the node's SLURM name, i.e. its cluster address; 0.0.0.0 = every
+# interface).
+#
+# Servers and router get a fresh API key per job (SGLang --api-key) in $RUN_DIR/.rollout_api_key (mode 0600):
+# sglang_keyed_launch.py reads it inside the server process, so it is on no command line; the trainer reads the
+# same file (rollout.sglang.api_key_file). See docs/security.md.
 
 CHILD_PIDS=()
 SERVER_URLS=()
 ROUTER_URL=""
+API_KEY_FILE=""
 
 log() { echo "[$(date '+%F %T')] $*"; }
 
@@ -55,11 +62,22 @@ wait_healthy() {  # wait_healthy URL PATH PID: until URL+PATH answers, the proce
     done
 }
 
+# make_api_key: a fresh random key in $RUN_DIR/.rollout_api_key (0600); sets API_KEY_FILE and KEYED_LAUNCH (the
+# launcher that starts a server or router with that key; RUN_DIR and the repository are on a shared filesystem).
+make_api_key() {
+    API_KEY_FILE="$RUN_DIR/.rollout_api_key"
+    "$PYTHON" -c "import sys; from megatron_rl.rollout.api_key import create_api_key_file as c; c(sys.argv[1])" \
+        "$API_KEY_FILE"
+    KEYED_LAUNCH="$("$PYTHON" -c "import megatron_rl.rollout.sglang_keyed_launch as m; print(m.__file__)")"
+}
+
 # start_sglang_servers "NODE_INDICES": PLAN_SERVERS_PER_NODE servers on each listed node (each on
-# PLAN_SERVER_TP GPUs), then sglang-router when the plan has one. Sets SERVER_URLS and ROUTER_URL.
+# PLAN_SERVER_TP GPUs), then sglang-router when the plan has one, all with the job's API key and listening on
+# the node's own address. Sets SERVER_URLS, ROUTER_URL and API_KEY_FILE.
 start_sglang_servers() {
     local index node s port first pid
     local flags=()
+    make_api_key
     [ -n "$PLAN_R3" ] && flags+=(--enable-return-routed-experts)
     [ -n "$PLAN_MEMORY_SAVER" ] && flags+=(--enable-memory-saver)  # rollout.release_memory (colocated)
     # shellcheck disable=SC2206
@@ -71,8 +89,9 @@ start_sglang_servers() {
             first=$((s * PLAN_SERVER_TP))
             srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/sglang_${node}_${port}.log" \
                 env CUDA_VISIBLE_DEVICES="$(seq -s, "$first" $((first + PLAN_SERVER_TP - 1)))" \
-                "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$PLAN_MODEL_PATH" --host 0.0.0.0 \
-                --port "$port" --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
+                "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang.launch_server \
+                --model-path "$PLAN_MODEL_PATH" --host "${SGLANG_HOST:-$node}" --port "$port" \
+                --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
                 --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${flags[@]}" &
             CHILD_PIDS+=("$!")
             SERVER_URLS+=("http://$node:$port")
@@ -87,8 +106,9 @@ start_sglang_servers() {
     if [ -n "$PLAN_ROUTER_NODE" ]; then
         node="${NODES[$PLAN_ROUTER_NODE]}"
         srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/router_${node}.log" \
-            "$SGLANG_PYTHON" -m sglang_router.launch_router --host 0.0.0.0 --port "$PLAN_ROUTER_PORT" \
-            --policy "$PLAN_ROUTER_POLICY" --worker-urls "${SERVER_URLS[@]}" &
+            "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang_router.launch_router \
+            --host "${SGLANG_HOST:-$node}" --port "$PLAN_ROUTER_PORT" --policy "$PLAN_ROUTER_POLICY" \
+            --worker-urls "${SERVER_URLS[@]}" &
         pid=$!
         CHILD_PIDS+=("$pid")
         ROUTER_URL="http://$node:$PLAN_ROUTER_PORT"

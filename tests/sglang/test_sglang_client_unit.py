@@ -1,4 +1,6 @@
-"""The SGLang client without SGLang: canned /generate answers, a dead port and a hanging server (runs everywhere)."""
+"""The SGLang client without SGLang: canned /generate answers, a dead port and a hanging server (runs everywhere).
+
+The double records every request's `Authorization` header: each call the client makes must carry the key."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine, sampling_params_json
 from megatron_rl.rollout.sglang_server import SGLangServerError, free_port
-from megatron_rl.rollout.weight_sync import serialize_bucket, split_expert_buckets
+from megatron_rl.rollout.weight_sync import DiskWeightSync, TensorWeightSync, serialize_bucket, split_expert_buckets
 
 
 def _item(prompt_len: int, out: list[int], finish: dict, routes: np.ndarray | None) -> dict:
@@ -32,6 +34,7 @@ class _Fake(BaseHTTPRequestHandler):
     hang = False
     bodies: list[dict] = []
     memory_calls: list[tuple[str, list[str]]] = []
+    auth: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
 
     def log_message(self, *args) -> None:
         pass
@@ -44,9 +47,11 @@ class _Fake(BaseHTTPRequestHandler):
         self.wfile.write(raw)
 
     def do_GET(self) -> None:
+        type(self).auth.append((self.path, self.headers.get("Authorization")))
         self._send({"model_path": "/nonexistent", "weight_version": "v7"})
 
     def do_POST(self) -> None:
+        type(self).auth.append((self.path, self.headers.get("Authorization")))
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.hang:
             time.sleep(5)
@@ -54,6 +59,9 @@ class _Fake(BaseHTTPRequestHandler):
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):  # SGLang answers null
             type(self).memory_calls.append((self.path, body["tags"]))
             self._send(None)
+            return
+        if self.path != "/generate":  # weight updates, pause, abort, flush: SGLang's success shape
+            self._send({"success": True, "message": "ok"})
             return
         type(self).bodies.append(body)
         prompt, n = body["input_ids"], body["sampling_params"]["n"]
@@ -66,7 +74,7 @@ class _Fake(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_url():
-    _Fake.hang, _Fake.bodies, _Fake.memory_calls = False, [], []
+    _Fake.hang, _Fake.bodies, _Fake.memory_calls, _Fake.auth = False, [], [], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -140,3 +148,34 @@ def test_memory_release_and_resume_follow_sglangs_contract(fake_url):
         *[("/resume_memory_occupation", ["weights"])] * 2,
         *[("/resume_memory_occupation", ["kv_cache", "cuda_graph"])] * 2,
     ]
+
+
+def test_every_request_carries_the_api_key(fake_url, tmp_path):
+    """Generation, control, memory and the tensor and disk weight paths all send `Bearer <key>`
+    (the distributed path is checked against the real server, tests/sglang/test_sglang_server.py)."""
+    import torch
+
+    engine = SGLangEngine([fake_url, fake_url], api_key="s3cret", routed_experts_shape=(2, 2), num_experts=8)
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), n=2)
+    engine.pause(), engine.resume(), engine.abort(), engine.flush_cache()
+    assert engine.healthy()
+    engine.release_memory(), engine.resume_memory()
+    bucket = [("model.norm.weight", torch.ones(3))]
+    engine.weight_sync = TensorWeightSync()
+    engine.update_weights([bucket], "v1")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    engine.weight_sync = DiskWeightSync(base_model_dir=str(tmp_path / "base"))
+    engine.update_weights([bucket], "v2")
+    paths = {path for path, _ in _Fake.auth}
+    for needed in ("/generate", "/model_info", "/health", "/pause_generation", "/continue_generation",
+                   "/abort_request", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+                   "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+                   "/update_weight_version", "/update_weights_from_disk"):  # fmt: skip
+        assert needed in paths, needed
+    assert {header for _, header in _Fake.auth} == {"Bearer s3cret"}
+
+
+def test_no_key_no_header(fake_url):
+    SGLangEngine([fake_url]).generate([[1]], SamplingParams(max_new_tokens=2))
+    assert _Fake.auth and all(header is None for _, header in _Fake.auth)
