@@ -11,6 +11,7 @@ or the directory holding them (its latest). Runs in one process; no GPU needed.
 from __future__ import annotations
 
 import argparse
+import sys
 
 DTYPES = ["auto", "fp32", "bf16"]
 
@@ -26,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("output", help="new directory for the HF model")
     to_hf.add_argument("--dtype", choices=DTYPES, default="auto", help="written dtype (auto = torch_dtype)")
     to_hf.add_argument("--bucket-mb", type=int, default=256, help="MiB read and written at a time (one shard)")
-    to_hf.add_argument("--hf-extras", help="HF directory to copy tokenizer/generation files from (default: ckpt hf/)")
+    to_hf.add_argument(
+        "--hf-extras",
+        help="HF directory to copy tokenizer/generation files from (default: the checkpoint's hf/, or for a "
+        "training checkpoint the model named in its run's config.yaml)",
+    )
     to_hf.add_argument(
         "--expect-config", help="HF directory whose architecture the checkpoint must have (refused otherwise)"
     )
@@ -47,4 +52,6 @@ def run(args: argparse.Namespace) -> int:
             bucket_mb=args.bucket_mb,
         )
     print(f"wrote {args.output}: {report}")
+    for note in report.notes:
+        print(f"megatron-rl convert: warning: {note}", file=sys.stderr)
     return 0

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import yaml
 
+from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import free_port
 from megatron_rl.megatron_backend.hf_weights import (
     WeightMismatchError,
@@ -65,6 +67,7 @@ class ConversionReport:
     peak_rss_bytes: int  # the process's peak resident memory so far (ru_maxrss)
     largest_tensor_bytes: int
     start_rss_bytes: int  # resident memory when the conversion started (imports, interpreter)
+    notes: tuple[str, ...] = ()  # what the output lacks and how to add it (e.g. no tokenizer found)
 
     def __str__(self) -> str:
         return (
@@ -90,7 +93,7 @@ def hf_to_megatron(
 
     start, start_rss = time.perf_counter(), current_rss()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_config(hf_dir, role="HF_DIR of `megatron-rl convert hf-to-megatron HF_DIR OUT_DIR`")
     family = get_family(hf)
     index = _SafetensorsIndex(hf_dir)
     check_hf_tensors(hf, index, hf_dir)
@@ -248,10 +251,11 @@ def megatron_to_hf(
 ) -> ConversionReport:
     """Write a Megatron checkpoint (converted, or a step of `megatron-rl train`) as an HF model directory.
 
-    `hf_extras_from`: HF directory whose tokenizer/generation files are copied (default: the checkpoint's
-    `hf/`). `expect_config`: an HF directory whose architecture the checkpoint must have (refused otherwise).
-    `dtype`: of the written tensors; "auto" = the config's `torch_dtype`. Tensors are read and written in
-    groups of at most `bucket_mb` MiB (one safetensors shard each).
+    `hf_extras_from`: HF directory whose tokenizer/generation files are copied; without it they come from the
+    checkpoint's `hf/` or, for a training checkpoint, the run's model (its `config.yaml`); the report's notes say
+    what could not be found. `expect_config`: an HF directory whose architecture the checkpoint must have
+    (refused otherwise). `dtype`: of the written tensors; "auto" = the config's `torch_dtype`. Tensors are read
+    and written in groups of at most `bucket_mb` MiB (one safetensors shard each).
     """
     from safetensors.torch import save_file
 
@@ -259,11 +263,12 @@ def megatron_to_hf(
 
     start, start_rss = time.perf_counter(), current_rss()
     path = ckpt.resolve_checkpoint_dir(checkpoint_dir)
+    check_checkpoint_files(path)  # a missing or truncated file is named before anything is read
     hf = ckpt.read_checkpoint_hf_config(path)
     if expect_config is not None:
         from megatron_rl.megatron_backend.actor import check_architecture
 
-        check_architecture(read_hf_config(expect_config), hf, path)
+        check_architecture(read_hf_config(expect_config, role="--expect-config"), hf, path)
     family = get_family(hf)
     dims = family.dims(hf)
     target = _resolve_dtype(dtype, hf)
@@ -297,12 +302,67 @@ def megatron_to_hf(
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = {**hf, "torch_dtype": _HF_DTYPE_NAMES[target]}
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    _copy_extras(Path(hf_extras_from) if hf_extras_from else path / "hf", tmp)
+    notes = _copy_checkpoint_extras(path, tmp, Path(out_dir), hf_extras_from)
     if not (tmp / "generation_config.json").is_file():
         generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
     _finish(tmp, Path(out_dir))
-    return _report(tensors, total, start, largest, start_rss)
+    return replace(_report(tensors, total, start, largest, start_rss), notes=notes)
+
+
+def _extras_sources(checkpoint: Path, explicit: str | Path | None) -> list[tuple[Path, str]]:
+    """Where a checkpoint's tokenizer and generation files may be, first choice first, each with a description.
+
+    `--hf-extras`, the checkpoint's `hf/` (a converted checkpoint), then for a `megatron-rl train` checkpoint
+    (`<run>/checkpoints/step_*`) the run's `model.tokenizer_path` and `model.hf_path` from `<run>/config.yaml`.
+    """
+    if explicit is not None:
+        if not Path(explicit).is_dir():
+            raise FileNotFoundError(f"--hf-extras {explicit} is not a directory (an HF model directory is expected)")
+        return [(Path(explicit), f"--hf-extras {explicit}")]
+    sources = [(checkpoint / "hf", f"{checkpoint / 'hf'}")]
+    if checkpoint.parent.name == "checkpoints":
+        config = checkpoint.parent.parent / "config.yaml"
+        try:
+            model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            model = {}
+            sources.append((config, f"{config} (missing or unreadable)"))
+        for key in ("tokenizer_path", "hf_path"):
+            if isinstance(model.get(key), str):
+                sources.append((Path(model[key]), f"model.{key}={model[key]} of {config}"))
+    return sources
+
+
+def _copy_checkpoint_extras(checkpoint: Path, dest: Path, out: Path, explicit: str | Path | None) -> tuple[str, ...]:
+    """Copy the tokenizer files (all from one source) and generation_config.json; return notes on what is missing."""
+    sources = _extras_sources(checkpoint, explicit)
+    searched = "; ".join(where for _, where in sources)
+
+    def first_holding(names: list[str]) -> Path | None:
+        return next((d for d, _ in sources if d.is_dir() and any((d / n).is_file() for n in names)), None)
+
+    tokenizer_files = [name for name in HF_EXTRA_FILES if name != "generation_config.json"]
+    notes = []
+    tokenizer_dir = first_holding(tokenizer_files)  # all from one place: never mix two tokenizers' files
+    if tokenizer_dir is None:
+        notes.append(
+            f"{out} has no tokenizer: none of {', '.join(tokenizer_files)} found in {searched}; add them with "
+            "--hf-extras /path/to/hf_model (the model the checkpoint was trained from)"
+        )
+    else:
+        for name in tokenizer_files:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, dest / name)
+    generation_dir = first_holding(["generation_config.json"])
+    if generation_dir is None:
+        notes.append(
+            f"{out}/generation_config.json holds only config.json's bos/eos/pad token ids: none found in "
+            f"{searched}; add the model's own with --hf-extras /path/to/hf_model"
+        )
+    else:
+        shutil.copy2(generation_dir / "generation_config.json", dest / "generation_config.json")
+    return tuple(notes)
 
 
 def _groups(sharded_state_dict: dict, bucket_bytes: int) -> Iterator[dict]:
@@ -351,8 +411,9 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
         loaded = dist_checkpointing.load(buffers, str(megatron_dir))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the checkpoint
         raise CheckpointError(
-            f"cannot read {sorted(group)[:2]}... from {megatron_dir}: {error_summary(err)}. The checkpoint does not "
-            "hold the architecture its hf_config.json describes"
+            f"cannot read {sorted(group)[:2]}... from {megatron_dir}: {error_summary(err)}. Its files are all present "
+            "at the sizes megatron/.metadata records, so the checkpoint does not hold the architecture its "
+            "hf_config.json describes (or a file is corrupt inside)"
         ) from err
     return {_canonical(k): v for k, v in loaded.items() if k in group}
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError, WeightRule
+from megatron_rl.megatron_backend.safetensors_files import safetensors_weight_map
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -34,11 +35,17 @@ class WeightMismatchError(ValueError):
     """A checkpoint tensor does not fit the model built from the config."""
 
 
-def read_hf_config(model_dir: str | Path) -> HFConfig:
+def read_hf_config(model_dir: str | Path, *, role: str = "the model directory") -> HFConfig:
+    """`model_dir`/config.json; the error names `role` (the argument or config key that gave the directory)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(
+            f"{path} not found: {role} must be a Hugging Face model directory (config.json + *.safetensors)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): re-download it") from None
 
 
 @dataclass
@@ -136,17 +143,8 @@ class _SafetensorsIndex:
     def __init__(self, model_dir: Path):
         from safetensors import safe_open
 
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            single = model_dir / "model.safetensors"
-            if not single.is_file():
-                raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-            with safe_open(single, "pt") as f:
-                weight_map = {k: single.name for k in f.keys()}
         self._dir = model_dir
-        self._map = weight_map
+        self._map = safetensors_weight_map(model_dir)  # every file's header checked: truncation is named here
         self._open = safe_open
         self._handles: dict[str, object] = {}
 

@@ -1,0 +1,90 @@
+"""Is a saved checkpoint whole? Its files are checked against the checkpoint's own records before anything loads.
+
+torch DCP's `megatron/.metadata` lists, for every stored item, the file (relative path) and the byte range
+(offset, length) that holds it, so a deleted or truncated `.distcp` file is found from the sizes alone and
+named, instead of surfacing as a `CheckpointException` from inside `dist_checkpointing.load`. The JSON files
+next to it (`trainer_state.json`, `hf_config.json`) are read here too, so a corrupt one is named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+_STEP_DIR = re.compile(r"^step_\d{9}$")
+METADATA = ".metadata"  # torch DCP's index of the .distcp files
+# Written by Megatron's dist_checkpointing next to the torch DCP files; load reads both.
+MEGATRON_FILES = ("metadata.json", "common.pt")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or corrupt; the message names the file and the way out."""
+
+
+def damaged(checkpoint: Path, problem: str) -> DamagedCheckpointError:
+    """The error for `checkpoint` with `problem` ("megatron/x is missing (...)"), naming the way out."""
+    older = sorted(
+        p
+        for p in checkpoint.parent.glob("step_*")
+        if _STEP_DIR.match(p.name) and p.name < checkpoint.name and (p / "COMPLETE").is_file()
+    )
+    way_out = (
+        f"resume from an older checkpoint (trainer.resume={older[-1]}) or re-save it"
+        if older
+        else "re-save it (no older complete checkpoint is next to it to resume from)"
+    )
+    return DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: {problem}; {way_out}")
+
+
+def expected_file_sizes(megatron_dir: Path) -> dict[str, int]:
+    """Each file torch DCP's `.metadata` refers to -> the bytes it must hold at least (end of its last item)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sizes: dict[str, int] = {}
+    for info in FileSystemReader(str(megatron_dir)).read_metadata().storage_data.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return sizes
+
+
+def check_checkpoint_files(checkpoint: Path, megatron_subdir: str = "megatron") -> None:
+    """Raise DamagedCheckpointError if a file of `checkpoint`'s dist checkpoint is missing or shorter than recorded.
+
+    Cheap (file sizes only): a file of the right size with wrong bytes inside is found only when it is read.
+    """
+    megatron_dir = checkpoint / megatron_subdir
+    for name in (METADATA, *MEGATRON_FILES):
+        if not (megatron_dir / name).is_file():
+            raise damaged(checkpoint, f"{megatron_subdir}/{name} is missing")
+    try:
+        sizes = expected_file_sizes(megatron_dir)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same: the index is unreadable
+        raise damaged(checkpoint, f"{megatron_subdir}/{METADATA} is corrupt (cannot be read: {err})") from err
+    read_checkpoint_json(checkpoint, f"{megatron_subdir}/metadata.json")
+    for name, needed in sorted(sizes.items()):
+        file = megatron_dir / name
+        if not file.is_file():
+            raise damaged(checkpoint, f"{megatron_subdir}/{name} is missing (listed in {megatron_subdir}/{METADATA})")
+        size = file.stat().st_size
+        if size < needed:
+            raise damaged(
+                checkpoint,
+                f"{megatron_subdir}/{name} is truncated/corrupt ({megatron_subdir}/{METADATA} says it holds at least "
+                f"{needed} bytes, the file has {size})",
+            )
+
+
+def read_checkpoint_json(checkpoint: Path, name: str) -> Any:
+    """The JSON file `name` of `checkpoint`; DamagedCheckpointError naming it if missing or not valid JSON."""
+    path = checkpoint / name
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise damaged(checkpoint, f"{name} is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise damaged(checkpoint, f"{name} cannot be read ({err})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise damaged(checkpoint, f"{name} is not valid JSON ({err})") from None
