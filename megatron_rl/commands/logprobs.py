@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from megatron_rl.jsonl import read_jsonl
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
@@ -43,10 +45,7 @@ def read_samples(path: Path, vocab_size: int) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"--input {path} does not exist")
     samples = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        sample = json.loads(line)
+    for number, sample in read_jsonl(path):
         ids = sample.get("input_ids")
         start = sample.get("response_start")
         if not isinstance(ids, list) or not isinstance(start, int):

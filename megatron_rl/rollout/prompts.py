@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_rl.jsonl import read_jsonl, require_keys
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def load_prompts(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
-    rows = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+    rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path)
     prompts, too_long = [], 0
     for line, row in rows:
         prompt = _to_prompt(row, line, path, tokenizer, prompt_key, answer_key, apply_chat_template)
@@ -55,20 +56,6 @@ def load_prompts(
     if not prompts:
         raise ValueError(f"{path} holds no usable prompts")
     return prompts
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {line_no}: not valid JSON ({err})") from err
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}")
-            yield line_no, row
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
@@ -90,10 +77,8 @@ def _to_prompt(
     answer_key: str | None,
     apply_chat_template: bool,
 ) -> Prompt:
-    where = f"{path} line {line}" if path.suffix != ".parquet" else f"{path} row {line}"
-    for key in (prompt_key, answer_key):
-        if key is not None and key not in row:
-            raise ValueError(f"{where}: missing key {key!r} (has {sorted(row)})")
+    where = f"{path}:{line}" if path.suffix != ".parquet" else f"{path} row {line}"
+    require_keys(row, tuple(k for k in (prompt_key, answer_key) if k is not None), where)
     value = row[prompt_key]
     if apply_chat_template:
         messages = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)

@@ -33,7 +33,7 @@ def test_chat_template(tmp_path: Path, tokenizer):
     assert prompts[0].token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")  # one special token
     assert len(prompts[0].token_ids) == 1 + 4 + 1 + 2 + 1 + 1 + 1 + 9 + 1  # specials are single tokens
     assert prompts[1].text.startswith("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n")
-    with pytest.raises(ValueError, match="line 2: 'prompt' is a list; chat messages need apply_chat_template"):
+    with pytest.raises(ValueError, match=r"c.jsonl:2: 'prompt' is a list; chat messages need apply_chat_template"):
         load_prompts(tmp_path / "c.jsonl", tokenizer)
 
 
@@ -43,14 +43,14 @@ def test_errors_name_the_path_key_and_line(tmp_path: Path, tokenizer):
     path = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}])
     with path.open("a") as f:
         f.write(json.dumps({"prompt": "c"}) + "\n")  # line 4 (line 3 is blank)
-    with pytest.raises(ValueError, match=r"m.jsonl line 4: missing key 'answer'"):
+    with pytest.raises(ValueError, match=r"m.jsonl:4: missing key 'answer'"):
         load_prompts(path, tokenizer)
     assert len(load_prompts(path, tokenizer, answer_key=None)) == 3
     with pytest.raises(ValueError, match="missing key 'question'"):
         load_prompts(path, tokenizer, prompt_key="question", answer_key=None)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{oops\n')
-    with pytest.raises(ValueError, match="bad.jsonl line 2: not valid JSON"):
+    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
         load_prompts(bad, tokenizer, answer_key=None)
 
 
