@@ -23,7 +23,7 @@ from megatron_rl.config.schema import (
     TrainerConfig,
     WarmupConfig,
 )
-from megatron_rl.config.validation import validate
+from megatron_rl.config.validation import check_input_paths, validate
 
 __all__ = [
     "PRESETS",
@@ -38,6 +38,7 @@ __all__ = [
     "SGLangConfig",
     "TrainerConfig",
     "WarmupConfig",
+    "check_input_paths",
     "config_help",
     "dump_yaml",
     "format_config",

@@ -50,6 +50,42 @@ def validate(cfg: RLConfig) -> list[str]:
     return notes
 
 
+def check_input_paths(cfg: RLConfig) -> None:
+    """Raise ConfigError for each input path of ``cfg`` that does not exist: before anything is built.
+
+    Separate from `validate`: a config may name paths of another machine (``megatron-rl launch`` plans a
+    cluster job from a login node); the run itself checks them here, on the machine that reads them.
+    """
+    errors: list[str] = []
+    model = cfg.model
+    hf_path = Path(model.hf_path)
+    if not model.build_tiny_if_missing:
+        if not hf_path.exists():
+            errors.append(
+                f"model.hf_path={model.hf_path!r} does not exist: point it at a Hugging Face model directory "
+                "(config.json, *.safetensors, tokenizer), or set model.build_tiny_if_missing=true to build the tiny "
+                "demo model there"
+            )
+        elif not (hf_path / "config.json").is_file():
+            errors.append(
+                f"model.hf_path={model.hf_path!r} has no config.json: it must be a Hugging Face model directory "
+                "(config.json, *.safetensors, tokenizer)"
+            )
+    tokenizer = model.tokenizer_path
+    if tokenizer is not None and tokenizer != model.hf_path and not Path(tokenizer).is_dir():
+        errors.append(
+            f"model.tokenizer_path={tokenizer!r} is not a directory: set it to the tokenizer's directory "
+            "(tokenizer.json, tokenizer_config.json) or to null to use model.hf_path's"
+        )
+    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if value is not None and value != "synthetic" and not Path(value).is_file():
+            errors.append(f"{key}={value!r}: no such file; give a JSONL or Parquet prompt file, or 'synthetic'")
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
 def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
     algo, rollout = cfg.algo, cfg.rollout
     max_new = rollout.sampling.max_new_tokens
