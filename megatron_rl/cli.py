@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training of Mixture-of-Experts LLMs on Megatron-Core.",
     )
     parser.add_argument("--version", action="version", version=f"megatron-rl {__version__}")
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback of input errors")
+    parser.add_argument(
+        "--traceback",
+        "--debug",
+        action="store_true",
+        help="on an input error, show the full Python traceback instead of the one-line message (for developers)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
@@ -40,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here (also after --help), not at interpreter exit
+    except BrokenPipeError:
+        # The reader of our output went away (`megatron-rl train --help-config | head`): stop quietly, as Unix
+        # tools do. Python's recipe: point stdout at devnull so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -48,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, FileNotFoundError, MissingOptionalDependency) as err:
-        # Bad input (config, checkpoint, data, layout): the message names the problem and the fix.
+        # Bad input (config, checkpoint, data, layout): the message names the problem and the fix. Every error
+        # type the project raises for bad input is a ValueError (ConfigError, CheckpointError, ...).
         if args.traceback:
             raise
         print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
