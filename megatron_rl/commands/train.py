@@ -7,6 +7,7 @@ Several processes (tensor/expert/pipeline/data parallel): `torchrun --nproc_per_
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.config import config_help, load_config
+    from megatron_rl.config import check_input_paths, config_help, load_config
 
     if args.help_config:
         print(config_help())
@@ -24,9 +25,18 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ValueError("a config file is required, e.g. megatron-rl train examples/tiny_moe_gspo.yaml")
     cfg = load_config(args.config, args.overrides)
+    check_input_paths(cfg)  # model, tokenizer and prompt files exist: fail before the model is built
     from megatron_rl.trainer.loop import train
+    from megatron_rl.trainer.run_dir import resume_command
+    from megatron_rl.trainer.stop_signals import TrainingAborted
 
-    result = train(cfg)
+    try:
+        result = train(cfg, resume_command=resume_command(cfg, args.config, args.overrides))
+    except TrainingAborted as aborted:  # a signal outside a step boundary: one line, no traceback
+        print(aborted, file=sys.stderr, flush=True)
+        return aborted.exit_code
+    if result.stopped_by is not None:  # stopped cleanly at a step boundary; the loop said where
+        return 128 + result.stopped_by
     if result.history:
         last = result.history[-1]
         for key in ("eval/accuracy", "rollout/reward_mean"):

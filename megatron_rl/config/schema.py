@@ -281,7 +281,20 @@ class TrainerConfig:
     save_every: int = setting(50, help="save a checkpoint every N steps (and after the last); 0 = only the last", ge=0)
     keep_last: int = setting(2, help="checkpoints to keep; 0 = keep all", ge=0)
     resume: str = setting(
-        "auto", help="auto = from the latest checkpoint in output_dir if any; never; or a checkpoint path"
+        "auto",
+        help="auto = continue the run in output_dir from its latest complete checkpoint (refused if output_dir "
+        "holds a run with another config); never = a fresh run (refused if output_dir holds another run's "
+        "checkpoints or metrics); or a checkpoint path (continues even if the config changed)",
+    )
+    overwrite: bool = setting(
+        False,
+        help="start a fresh run even if output_dir holds another run: the old folder is renamed to "
+        "<output_dir>.old-<time> (never deleted)",
+    )
+    save_on_interrupt: bool = setting(
+        True,
+        help="Ctrl-C / SIGTERM stops at the end of the current step; true = save a checkpoint there first "
+        "(a second Ctrl-C aborts at once)",
     )
     on_nonfinite: Literal["stop", "skip"] = setting(
         "stop",

@@ -4,7 +4,7 @@ Layout of `<dir>/`:
     step_000000020/           a complete checkpoint
         megatron/             dist_checkpointing (torch_dist): model + optimizer, sharded per rank
         rng/rank_00003.pt     each rank's RNG states (CPU, CUDA, Megatron's tracker)
-        trainer_state.json    step, scheduler, data position, anything the trainer passes in
+        trainer_state.json    step, the id of the run that wrote it, scheduler, data position, trainer state
         hf_config.json        the architecture (HF config.json) the weights belong to
         COMPLETE              written last
     .tmp_step_000000030/      a save in progress (ignored, removed by the next save)
@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,16 +151,42 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+@dataclass(frozen=True)
+class CheckpointScan:
+    """The checkpoints under one directory: complete ones (oldest first), incomplete ones (a `step_*` folder
+    without `COMPLETE`: damaged or copied half-way; a save in progress is a `.tmp_*` folder, not listed), and the
+    one to resume from (the one `latest` names if complete, else the newest complete one)."""
+
+    complete: tuple[Path, ...]
+    incomplete: tuple[Path, ...]
+    latest: Path | None
+
+
+def scan_checkpoints(root: str | Path) -> CheckpointScan:
     root = Path(root)
-    pointer = root / "latest"
+    steps = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and p.is_dir())
+    complete = tuple(p for p in steps if (p / COMPLETE).is_file())
+    incomplete = tuple(p for p in steps if not (p / COMPLETE).is_file())
+    pointer, latest = root / "latest", complete[-1] if complete else None
     if pointer.is_file():
         candidate = root / pointer.read_text().strip()
-        if (candidate / COMPLETE).is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file())
-    return complete[-1] if complete else None
+        if candidate in complete:
+            latest = candidate
+    return CheckpointScan(complete, incomplete, latest)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    return scan_checkpoints(root).latest
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """A checkpoint's trainer_state.json: step, run_id, the trainer's own state (cheap: no tensors)."""
+    file = Path(path) / "trainer_state.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from err
 
 
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
@@ -212,8 +239,19 @@ def _reports_out_of_space(save):
 
 
 @_reports_out_of_space
-def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_state: dict, *, keep_last: int = 2):
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+def save_checkpoint(
+    actor: MegatronActor,
+    root: str | Path,
+    step: int,
+    trainer_state: dict,
+    *,
+    keep_last: int = 2,
+    run_id: str | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    `run_id` is recorded in trainer_state.json; pruning to `keep_last` only removes checkpoints of the same run
+    id (never another run's, never the one `latest` names)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -242,6 +280,7 @@ def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_s
             "adam_steps": _adam_steps(actor) if actor.optimizer is not None else None,
             "trainer": trainer_state,
             "world_size": dist.get_world_size(),
+            "run_id": run_id,
         }
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1, default=str))
         (tmp / "hf_config.json").write_text(json.dumps(actor.hf_config, indent=1))
@@ -252,7 +291,7 @@ def save_checkpoint(actor: MegatronActor, root: str | Path, step: int, trainer_s
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write(root / "latest", final.name)
-        _prune(root, keep_last)
+        prune_checkpoints(root, keep_last, run_id)
     dist.barrier()
     return final
 
@@ -306,7 +345,18 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file())
-    for old in complete[: max(len(complete) - keep_last, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(root: Path, keep_last: int, run_id: str | None) -> None:
+    """Remove all but the newest `keep_last` complete checkpoints written by run `run_id`; checkpoints of other
+    runs (or unreadable ones) and the one `latest` names are never removed."""
+    scan = scan_checkpoints(root)
+
+    def written_by_this_run(path: Path) -> bool:
+        try:
+            return read_trainer_state(path).get("run_id") == run_id
+        except CheckpointError:
+            return False
+
+    ours = [p for p in scan.complete if written_by_this_run(p)]
+    for old in ours[: max(len(ours) - keep_last, 0)]:
+        if old != scan.latest:
+            shutil.rmtree(old, ignore_errors=True)

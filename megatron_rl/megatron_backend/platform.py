@@ -11,8 +11,18 @@ CI runs Megatron-Core on CPU with gloo. Megatron assumes CUDA in a few dozen pla
   model-parallel RNG tracker's _get/_set_cuda_rng_state; the alltoall dispatcher's
   maybe_move_tensor_to_cpu (split sizes stay tensors on CPU); the local spec's
   WrappedTorchNorm under sequence parallelism; 0.16.x only: moe_utils.te_general_gemm;
-* `CudaToCpuMode`, a TorchFunctionMode for device="cuda" literals, .cuda(), and the
-  optimizer's `Tensor.type() == "torch.cuda.FloatTensor"` checks.
+* device="cuda" literals (the schedules' token counters, the optimizer's scalars and
+  grad-norm buffers, ...): the Megatron modules that write them (`DEVICE_LITERAL_MODULES`)
+  see a `CpuPlacedTorch` as their `torch`, whose tensor factories place "cuda" on the CPU;
+* the optimizer's `Tensor.type() == "torch.cuda.FloatTensor"` checks: in the functions of
+  `TYPE_CHECK_MODULES` the CUDA type-name constants become the CPU names (`CpuTypeName`).
+
+Each bridge sits where the CUDA assumption is made, and none is a process-wide hook: there is
+no torch-function mode, so a forward, a backward or a `transformers` generate call in the
+same process pays nothing for the bridges (an earlier TorchFunctionMode entered for the whole
+process cost ~0.36 s of a 0.54 s demo step). A Megatron path that calls `Tensor.cuda()` or
+names CUDA outside those modules fails loudly ("Torch not compiled with CUDA enabled")
+instead of being rewritten silently: bridge it here, where it is made.
 
 Every bridge records the Megatron call sites that reach it in a ledger (`cuda_hits()`): the
 regression detector for Megatron upgrades, since a new entry means a new CUDA assumption on
@@ -41,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 SUPPORTED_MCORE: tuple[str, ...] = ("0.16.", "0.19.")
 """Megatron-Core release lines this module was checked against (version prefixes)."""
@@ -126,6 +135,7 @@ _LEDGER_LOCK = threading.Lock()
 _THIS_FILE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _megatron_dir_cache: str | None = None
+_SITE_CACHE: dict[tuple[types.CodeType, int], str] = {}
 
 
 def _megatron_dir() -> str:
@@ -143,15 +153,29 @@ def _call_site() -> str:
     """The innermost megatron frame on the stack, as 'megatron/...py:LINE func'.
 
     Falls back to the innermost frame outside torch and this module, marked '(outside)'.
+    The answer for a megatron caller is cached by its code location, so a bridge hit on a
+    forward path costs a dictionary lookup, not a stack walk.
     """
     megatron_dir = _megatron_dir()
-    strip = len(os.path.dirname(megatron_dir.rstrip(os.sep))) + 1
     frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == _THIS_FILE:
+        frame = frame.f_back
+    if frame is None:
+        return "(unknown)"
+    key = (frame.f_code, frame.f_lineno)
+    site = _SITE_CACHE.get(key)
+    if site is not None:
+        return site
+    strip = len(os.path.dirname(megatron_dir.rstrip(os.sep))) + 1
+    caller_in_megatron = frame.f_code.co_filename.startswith(megatron_dir)
     outside = None
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(megatron_dir):
-            return f"{filename[strip:]}:{frame.f_lineno} {frame.f_code.co_name}"
+            site = f"{filename[strip:]}:{frame.f_lineno} {frame.f_code.co_name}"
+            if caller_in_megatron:
+                _SITE_CACHE[key] = site
+            return site
         if outside is None and filename != _THIS_FILE and not filename.startswith(_TORCH_DIR):
             outside = f"(outside) {filename}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
@@ -306,8 +330,31 @@ def _bridge_torch_cuda() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------
-# CudaToCpuMode: device="cuda" literals, .cuda(), and Tensor.type() checks
+# device="cuda" literals: a CPU-placing `torch` namespace for the Megatron modules that write them
 # --------------------------------------------------------------------------------------
+
+DEVICE_LITERAL_MODULES: tuple[str, ...] = (
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.layer_wise_optimizer",  # 0.19.x
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.utils",
+)
+"""Megatron modules that create tensors with a hard-coded ``device="cuda"`` (grep of 0.16.1 and
+0.19.2; the ledger shows which fire: schedules' token counters, the optimizer's scalars and
+grad-norm buffers). A module a release does not have is skipped."""
+
+_FACTORY_FUNCTIONS = frozenset(
+    {"empty", "empty_like", "full", "full_like", "ones", "ones_like", "tensor", "zeros", "zeros_like"}
+)
 
 
 def _is_cuda_device(value: Any) -> bool:
@@ -318,64 +365,136 @@ def _is_cuda_device(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _strip_cuda_type(value: Any) -> Any:
-    """'torch.cuda.FloatTensor' (or the class) -> 'torch.FloatTensor'."""
-    if isinstance(value, type) and value.__module__.startswith("torch.cuda"):
-        return f"torch.{value.__name__}"
-    if isinstance(value, str) and value.startswith("torch.cuda."):
-        return "torch." + value[len("torch.cuda.") :]
-    return value
-
-
-_TENSOR_TYPE = torch.Tensor.type
-_TENSOR_CUDA = torch.Tensor.cuda
-_TENSOR_TO = torch.Tensor.to
-
-
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites Megatron's hard-coded CUDA placement to the CPU.
-
-    * any ``device=`` keyword that names CUDA (a "cuda..." string, a CUDA torch.device, or
-      an integer index) becomes "cpu";
-    * ``Tensor.cuda()`` returns the tensor; ``Tensor.to(<cuda device>)`` goes to the CPU;
-    * ``Tensor.type()`` reports "torch.cuda.*" for CPU tensors, because Megatron's optimizer
-      asserts ``param.grad.type() == "torch.cuda.FloatTensor"``; ``Tensor.type("torch.cuda.X")``
-      converts to "torch.X".
-
-    Entered once for the whole process by `bridge_cpu()`; torch function modes are
-    per-thread, and the autograd engine runs CPU backward in the calling thread.
-    """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+def _cpu_placed(factory: Callable[..., Any]) -> Callable[..., Any]:
+    def placed(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
             _record(f"device={device!r}")
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is _TENSOR_TYPE:
-            if len(args) == 1 and kwargs.get("dtype") is None:
-                name = func(*args, **kwargs)
-                if name.startswith("torch.") and not name.startswith("torch.cuda."):
-                    _record("Tensor.type()")
-                    return "torch.cuda." + name[len("torch.") :]
-                return name
-            args = (args[0],) + tuple(_strip_cuda_type(a) for a in args[1:])
-            if "dtype" in kwargs:
-                kwargs = {**kwargs, "dtype": _strip_cuda_type(kwargs["dtype"])}
-        elif func is _TENSOR_CUDA:
-            _record("Tensor.cuda()")
-            return args[0]
-        elif func is _TENSOR_TO and len(args) > 1 and not isinstance(args[1], torch.Tensor):
-            if not isinstance(args[1], torch.dtype) and _is_cuda_device(args[1]):
-                _record("Tensor.to(cuda)")
-                args = (args[0], torch.device("cpu"), *args[2:])
-        return func(*args, **kwargs)
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    placed.__name__ = factory.__name__
+    placed.__doc__ = f"megatron_rl CPU bridge: torch.{factory.__name__} with device='cuda' placed on the CPU."
+    return placed
+
+
+class CpuPlacedTorch(types.ModuleType):
+    """The `torch` that the modules in `DEVICE_LITERAL_MODULES` see on CPU.
+
+    It is torch, except that its tensor factories (`torch.zeros`, `torch.tensor`, ...) place a
+    ``device=`` that names CUDA on the CPU and record the call site in the ledger. Every other
+    attribute is torch's own object, cached on first use, so lookups cost what they cost on
+    the real module and nothing outside those Megatron modules is touched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch", "megatron_rl CPU bridge: torch with CUDA device literals placed on the CPU")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name in _FACTORY_FUNCTIONS:
+            value = _cpu_placed(value)
+        setattr(self, name, value)
+        return value
+
+
+def _bridge_device_literals() -> str:
+    placed_torch = CpuPlacedTorch()
+    for module_name in DEVICE_LITERAL_MODULES:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = placed_torch
+    return "megatron device='cuda' literals (CpuPlacedTorch)"
+
+
+# --------------------------------------------------------------------------------------
+# The optimizer's `Tensor.type() == "torch.cuda.FloatTensor"` checks
+# --------------------------------------------------------------------------------------
+
+TYPE_CHECK_MODULES: tuple[str, ...] = (
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.optimizer",
+)
+"""Megatron modules whose functions compare ``tensor.type()`` with CUDA type names."""
+
+_CUDA_TYPE_NAMES = ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")
+
+
+class CpuTypeName(str):
+    """A CPU tensor type name ("torch.FloatTensor") standing where Megatron wrote the CUDA one.
+
+    Comparing it records the call site as a "Tensor.type()" hit. Python asks a str subclass
+    first, whichever side of ``==`` it is on, so ``param.type() == <this>`` lands here.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        _record("Tensor.type()")
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def _names_cuda_type(const: Any) -> bool:
+    if type(const) is str:
+        return const in _CUDA_TYPE_NAMES
+    if isinstance(const, (tuple, frozenset)):
+        return any(_names_cuda_type(c) for c in const)
+    if isinstance(const, types.CodeType):
+        return any(_names_cuda_type(c) for c in const.co_consts)
+    return False
+
+
+def _cpu_type_constants(const: Any) -> Any:
+    """`const` (a code object, or a constant in one) with every CUDA tensor type name replaced by
+    its `CpuTypeName`, recursively through nested tuples and code objects."""
+    if type(const) is str and const in _CUDA_TYPE_NAMES:
+        return CpuTypeName("torch." + const[len("torch.cuda.") :])
+    if isinstance(const, (tuple, frozenset)):
+        return type(const)(_cpu_type_constants(c) for c in const)
+    if isinstance(const, types.CodeType):
+        return const.replace(co_consts=tuple(_cpu_type_constants(c) for c in const.co_consts))
+    return const
+
+
+def _functions_defined_in(module: types.ModuleType) -> list[types.FunctionType]:
+    found = []
+    for value in vars(module).values():
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        members = vars(value).values() if isinstance(value, type) else (value,)
+        for member in members:
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            elif isinstance(member, property):
+                member = member.fget
+            if isinstance(member, types.FunctionType):
+                found.append(member)
+    return found
+
+
+def _bridge_tensor_type_checks() -> str:
+    """Rewrite, in the compiled code of Megatron's optimizer functions, the CUDA type names that
+    ``Tensor.type()`` is compared with into the CPU names: the check then holds for CPU tensors
+    at no cost per call (the process-wide torch-function mode this replaces intercepted every
+    torch call to answer three string comparisons)."""
+    for module_name in TYPE_CHECK_MODULES:
+        rewritten = 0
+        for function in _functions_defined_in(importlib.import_module(module_name)):
+            if _names_cuda_type(function.__code__):
+                function.__code__ = _cpu_type_constants(function.__code__)
+                rewritten += 1
+        if not rewritten:
+            raise RuntimeError(
+                f"{module_name} no longer compares Tensor.type() with a CUDA type name: re-check the CPU "
+                "bridges in megatron_rl/megatron_backend/platform.py for this megatron-core release"
+            )
+    return "megatron optimizer Tensor.type() checks (CpuTypeName)"
 
 
 # --------------------------------------------------------------------------------------
@@ -480,7 +599,6 @@ def _patch_rng_state() -> str:
 # --------------------------------------------------------------------------------------
 
 _INFO: PlatformInfo | None = None
-_MODE: CudaToCpuMode | None = None
 _BRIDGE_LOCK = threading.Lock()
 _TE_AVAILABLE: bool | None = None
 
@@ -493,11 +611,12 @@ def bridge_cpu(enable: bool | None = None) -> PlatformInfo:
             bridges. True bridges even where CUDA exists (CPU runs on a GPU machine).
 
     On CUDA (or with enable=False) nothing is patched. On CPU this applies the bridges
-    listed in the module docstring and enters `CudaToCpuMode` for the process. The first
+    listed in the module docstring; none of them is a torch-function mode or a hook, so a
+    forward, a backward or a `generate` call runs exactly as it would without them. The first
     call decides for the process: bridges cannot be removed once applied, and a later call
     whose explicit `enable` contradicts the first decision raises RuntimeError.
     """
-    global _INFO, _MODE
+    global _INFO
     with _BRIDGE_LOCK:
         if _INFO is not None:
             if enable is False and _INFO.bridges:
@@ -528,9 +647,8 @@ def bridge_cpu(enable: bool | None = None) -> PlatformInfo:
         bridges.append(_patch_norm_sequence_parallel())
         bridges.append(_patch_split_sizes_to_numpy())
         bridges.append(_patch_rng_state())
-        _MODE = CudaToCpuMode()
-        _MODE.__enter__()
-        bridges.append("CudaToCpuMode")
+        bridges.append(_bridge_device_literals())
+        bridges.append(_bridge_tensor_type_checks())
         _INFO = PlatformInfo(device="cpu", backend="gloo", mcore_version=version, bridges=tuple(bridges))
         return _INFO
 

@@ -29,108 +29,171 @@ from megatron_rl.megatron_backend.reference import reference_from_hf
 from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.routing.agreement import mean_route_metrics
 from megatron_rl.routing.cache import RouteCache
+from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
 from megatron_rl.trainer.run_log import RunLog
+from megatron_rl.trainer.stop_signals import StopSignals
 
 
 @dataclass
 class TrainResult:
     output_dir: Path
-    history: list[dict[str, float]]
+    history: list[dict[str, float]]  # every step of the run, earlier starts' included
     plots: list[Path]
+    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that stopped the run at a step boundary
+    already_complete: bool = False  # nothing was done: the run had reached trainer.steps
 
 
-def train(cfg: RLConfig) -> TrainResult:
+def train(cfg: RLConfig, *, resume_command: str | None = None) -> TrainResult:
+    """Run (or continue) the run in `trainer.output_dir`. `resume_command` is the command line shown when the
+    run is interrupted (default: `megatron-rl train <output_dir>/config.yaml trainer.resume=auto`)."""
     output_dir = Path(cfg.trainer.output_dir)
-    model_dir = prepare_model_dir(cfg)
-    hf = read_hf_config(model_dir)
-    dims = get_family(hf).dims(hf)
-    init_distributed(
-        cfg.parallel,
-        seed=cfg.trainer.seed,
-        num_layers=dims.num_layers,
-        num_experts=dims.num_experts,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-    )
-    rank0 = dist.get_rank() == 0
-    engine = None
-    try:
-        tokenizer = load_tokenizer(cfg, dims.vocab_size)
-        torch.manual_seed(cfg.trainer.seed)
-        actor = MegatronActor.from_hf(
-            model_dir,
+    run_dir.check_output_dir(output_dir)  # before anything slow
+    with StopSignals(resume_command or run_dir.resume_command(cfg, None)) as stop:
+        model_dir = prepare_model_dir(cfg)
+        hf = read_hf_config(model_dir)
+        dims = get_family(hf).dims(hf)
+        init_distributed(
             cfg.parallel,
-            model_options=cfg.model.options,
-            optimizer_options=cfg.optimizer,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            seed=cfg.trainer.seed,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts,
+            num_attention_heads=dims.num_attention_heads,
+            num_query_groups=dims.num_query_groups,
         )
-        data = PromptData(cfg, tokenizer)
-        engine = build_engine(cfg, model_dir) if rank0 else None
-        ckpt_root = output_dir / "checkpoints"
-        state = {"step": 0, "sft_done": False, "data": None}
-        resume_from = resolve_resume(cfg, ckpt_root)
-        if resume_from is not None:
-            state = checkpoint.load_checkpoint(actor, resume_from)
-            data.load_state_dict(state["data"])
-        if rank0:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, output_dir / "config.yaml")
-            print(format_config(cfg), flush=True)
-            if resume_from is not None:
-                print(f"resumed from {resume_from} at step {state['step']}", flush=True)
-        log = RunLog(cfg.logging, output_dir, cfg.trainer.steps, to_dict(cfg)) if rank0 else None
-
-        memory = ColocatedMemory(
-            actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
-        )
-        warmed_up = output_dir / "warmup_model"  # the policy after the supervised stage, in HF format
-        if not state["sft_done"] and cfg.warmup.sft_steps > 0:
-            memory.for_training()
-            supervised_warmup(cfg, actor, data, log)
-            actor.reset_optimizer_state()
-            save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
-            state["sft_done"] = True
-        # The KL reference is the policy RL starts from: the warmed-up model, else the initial one.
-        reference = None
-        if cfg.algo.kl_coef > 0:
-            reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
-        memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
-        memory.for_weight_sync()
-        if engine is not None or not rank0:
-            sync_weights(actor, engine, cfg, version=f"step-{state['step']}")
-        loss_fn = build_rl_loss(cfg.algo)
-        if state["step"] == 0 and cfg.data.eval and cfg.data.eval_every:
-            memory.for_rollout()
-            if log is not None:
-                log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
-        for step in range(state["step"] + 1, cfg.trainer.steps + 1):
-            metrics = rl_step(cfg, step, actor, engine, reference, data, tokenizer, loss_fn, memory)
-            if cfg.data.eval and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
-                memory.for_rollout()
+        rank0 = stop.announce = dist.get_rank() == 0
+        engines: list = []  # the rollout engine once built: shut down however the run ends
+        try:
+            # Rank 0 decides how this start uses output_dir, before the model is built; every rank gets the verdict.
+            plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
+            if isinstance(plan, Exception):
+                raise plan
+            if plan.complete:
                 if rank0:
-                    metrics.update(evaluate(cfg, engine, data, tokenizer))
-            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                memory.for_training(keep_engine_weights=True)
-                t = time.perf_counter()
-                checkpoint.save_checkpoint(
-                    actor,
-                    ckpt_root,
-                    step,
-                    {"step": step, "sft_done": True, "data": data.state_dict()},
-                    keep_last=cfg.trainer.keep_last or 10**9,
-                )
-                metrics["time/checkpoint"] = time.perf_counter() - t
-            if log is not None:
-                log.log(step, metrics)
-        plots = log.close() if log is not None else []
-        return TrainResult(output_dir, log.history if log is not None else [], plots)
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        shutdown()
+                    print("\n".join([*plan.notes, plan.complete_message()]), flush=True)
+                return TrainResult(output_dir, [], [], already_complete=True)
+            if rank0:
+                run_dir.start_run(plan)
+            dist.barrier()
+            stop.last_checkpoint = plan.start_step if plan.resume_from is not None else None
+            return _setup_and_loop(cfg, plan, model_dir, dims, stop, engines)
+        finally:
+            for engine in engines:
+                engine.shutdown()
+            shutdown()
+
+
+def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:
+    try:
+        return run_dir.plan_run(cfg)
+    except ValueError as err:  # reported by every rank alike
+        return err
+
+
+def _setup_and_loop(
+    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims, stop: StopSignals, engines: list
+) -> TrainResult:
+    output_dir = plan.output_dir
+    rank0 = dist.get_rank() == 0
+    tokenizer = load_tokenizer(cfg, dims.vocab_size)
+    torch.manual_seed(cfg.trainer.seed)
+    actor = MegatronActor.from_hf(
+        model_dir,
+        cfg.parallel,
+        model_options=cfg.model.options,
+        optimizer_options=cfg.optimizer,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+    )
+    data = PromptData(cfg, tokenizer)
+    engine = build_engine(cfg, model_dir) if rank0 else None
+    if engine is not None:
+        engines.append(engine)
+    ckpt_root = plan.checkpoint_root
+    state = {"step": 0, "sft_done": False, "data": None}
+    if plan.resume_from is not None:
+        state = checkpoint.load_checkpoint(actor, plan.resume_from)
+        data.load_state_dict(state["data"])
+    if rank0:
+        dump_yaml(cfg, output_dir / "config.yaml")
+        print(format_config(cfg), flush=True)
+        if plan.resume_from is not None:
+            print(f"resumed from {plan.resume_from} at step {state['step']}", flush=True)
+    log = None
+    if rank0:
+        log = RunLog(
+            cfg.logging,
+            output_dir,
+            cfg.trainer.steps,
+            to_dict(cfg),
+            first_step=plan.first_logged_step,
+            wandb_id=plan.identity.run_id,
+        )
+
+    memory = ColocatedMemory(
+        actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
+    )
+    warmed_up = output_dir / "warmup_model"  # the policy after the supervised stage, in HF format
+    if not state["sft_done"] and cfg.warmup.sft_steps > 0:
+        memory.for_training()
+        supervised_warmup(cfg, actor, data, log)
+        actor.reset_optimizer_state()
+        save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
+        state["sft_done"] = True
+    # The KL reference is the policy RL starts from: the warmed-up model, else the initial one.
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
+    memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
+    memory.for_weight_sync()
+    if engine is not None or not rank0:
+        sync_weights(actor, engine, cfg, version=f"step-{state['step']}")
+    loss_fn = build_rl_loss(cfg.algo)
+    if state["step"] == 0 and cfg.data.eval and cfg.data.eval_every:
+        memory.for_rollout()
+        if log is not None:
+            log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
+
+    def save(step: int) -> float:
+        memory.for_training(keep_engine_weights=True)
+        t = time.perf_counter()
+        with stop.writing(f"checkpoint of step {step}"):
+            checkpoint.save_checkpoint(
+                actor,
+                ckpt_root,
+                step,
+                {"step": step, "sft_done": True, "data": data.state_dict()},
+                keep_last=cfg.trainer.keep_last or 10**9,
+                run_id=plan.identity.run_id,
+            )
+            stop.last_checkpoint = step
+        return time.perf_counter() - t
+
+    stopped_by = None
+    stop.armed = True  # from here a Ctrl-C / SIGTERM stops at the next step boundary
+    for step in range(state["step"] + 1, cfg.trainer.steps + 1):
+        stop.step = step
+        metrics = rl_step(cfg, step, actor, engine, reference, data, tokenizer, loss_fn, memory)
+        if cfg.data.eval and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
+            memory.for_rollout()
+            if rank0:
+                metrics.update(evaluate(cfg, engine, data, tokenizer))
+        saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
+        if saved:
+            metrics["time/checkpoint"] = save(step)
+        if log is not None:
+            log.log(step, metrics)
+        stopped_by = stop.agreed() if step < cfg.trainer.steps else None  # collective: every rank stops together
+        if stopped_by is not None:
+            save_now = cfg.trainer.save_on_interrupt and not saved
+            if save_now:
+                save(step)
+            if rank0:
+                print(stop.stopped_message(step, saved_now=save_now), flush=True)
+            break
+    plots = log.close() if log is not None else []
+    return TrainResult(output_dir, log.history if log is not None else [], plots, stopped_by=stopped_by)
 
 
 # ---------------------------------------------------------------------------------------------- one RL step
@@ -442,16 +505,6 @@ def broadcast_object(obj: Any) -> Any:
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def resolve_resume(cfg: RLConfig, ckpt_root: Path) -> Path | None:
-    mode = cfg.trainer.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        return checkpoint.latest_checkpoint(ckpt_root)
-    path = Path(mode)
-    return checkpoint.latest_checkpoint(path) or path
 
 
 def prepare_model_dir(cfg: RLConfig) -> Path:

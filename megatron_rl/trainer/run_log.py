@@ -23,21 +23,57 @@ PLOTS = (
 )
 
 
-class RunLog:
-    """Collects metrics of one run (rank 0 only) and fans them out."""
+def restore_history(path: Path, first_step: int) -> list[dict[str, float]]:
+    """Cut `metrics.jsonl` back to the rows before `first_step` (the first step this start logs) and return them.
 
-    def __init__(self, cfg: LoggingConfig, output_dir: Path, total_steps: int, run_config: dict[str, Any]):
+    A resumed run logs again from its checkpoint's step + 1, so later rows (written after the checkpoint by a
+    start that crashed or was interrupted) go; a row cut off by a crash is dropped; each step is kept once (the
+    last row written for it), in step order. The file is replaced atomically."""
+    if not path.is_file():
+        return []
+    rows: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a start killed while writing it
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
+            rows[record["step"]] = record
+    kept = [rows[step] for step in sorted(rows)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+class RunLog:
+    """Collects metrics of one run (rank 0 only) and fans them out.
+
+    `first_step` is the first step this start logs: rows from it on are cut from metrics.jsonl (a resumed run
+    redoes them), earlier rows are loaded into `history` so plots and summaries cover the whole run; TensorBoard
+    drops its events from `first_step` on, and wandb continues the run `wandb_id` (stable across resumes)."""
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        output_dir: Path,
+        total_steps: int,
+        run_config: dict[str, Any],
+        *,
+        first_step: int = 0,
+        wandb_id: str | None = None,
+    ):
         self.cfg = cfg
         self.output_dir = output_dir
         self.total_steps = total_steps
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, float]] = restore_history(output_dir / "metrics.jsonl", first_step)
         self._jsonl = (output_dir / "metrics.jsonl").open("a")
         self._start = time.monotonic()
         self._first_step: int | None = None
-        self._wandb = self._init_wandb(run_config) if cfg.wandb else None
-        self._tb = self._init_tensorboard() if cfg.tensorboard else None
+        self._wandb = self._init_wandb(run_config, wandb_id) if cfg.wandb else None
+        self._tb = self._init_tensorboard(first_step) if cfg.tensorboard else None
 
-    def _init_wandb(self, run_config: dict[str, Any]):
+    def _init_wandb(self, run_config: dict[str, Any], run_id: str | None):
         mode = self.cfg.resolved_wandb_mode(os.environ)
         if mode == "disabled":
             return None
@@ -52,13 +88,15 @@ class RunLog:
             dir=str(self.output_dir),
             mode=mode,
             config=run_config,
+            id=run_id,
+            resume="allow" if run_id else None,
             settings=wandb.Settings(silent=True),
         )
 
-    def _init_tensorboard(self):
+    def _init_tensorboard(self, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(str(self.output_dir / "tensorboard"))
+        return SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=first_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -107,6 +145,8 @@ class RunLog:
         return self.plot() if self.cfg.plot else []
 
     def plot(self) -> list[Path]:
+        """One PNG per entry of PLOTS; a figure of several metrics gets one panel per metric (their scales
+        differ by decades), on a log scale where a positive series spans more than two decades."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -114,23 +154,32 @@ class RunLog:
 
         written = []
         for name, title, keys in PLOTS:
-            series = {k: [(r["step"], r[k]) for r in self.history if k in r] for k in keys}
+            series = {k: [(r["step"], r[k]) for r in self.history if k in r and math.isfinite(r[k])] for k in keys}
             series = {k: v for k, v in series.items() if v}
             if not series:
                 continue
-            fig, ax = plt.subplots(figsize=(7, 4))
-            for key, points in series.items():
+            panels = 1 if name == "reward.png" else len(series)  # reward and accuracy share one [0, 1] axis
+            fig, axes = plt.subplots(panels, 1, figsize=(7, 2.2 + 1.8 * panels), sharex=True, squeeze=False)
+            for i, (key, points) in enumerate(series.items()):
+                ax = axes[min(i, panels - 1)][0]
                 ax.plot(*zip(*points, strict=True), marker="o" if len(points) < 30 else None, label=key)
-            ax.set_xlabel("step")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
+                if panels > 1 and _spans_decades([v for _, v in points]):
+                    ax.set_yscale("log")
+                ax.grid(alpha=0.3)
+                ax.legend(loc="best")
+            axes[-1][0].set_xlabel("step")
+            axes[0][0].set_title(title)
             fig.tight_layout()
             path = self.output_dir / name
             fig.savefig(path, dpi=100)
             plt.close(fig)
             written.append(path)
         return written
+
+
+def _spans_decades(values: list[float], decades: float = 2.0) -> bool:
+    """Whether a series is all positive and its max/min ratio exceeds 10**decades (then a log axis reads better)."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > 10**decades
 
 
 def _duration(seconds: float) -> str:
