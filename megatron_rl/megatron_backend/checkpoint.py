@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor import MegatronActor, check_architecture
+from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files, damaged, read_checkpoint_json
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 COMPLETE = "COMPLETE"
@@ -95,7 +96,7 @@ def read_checkpoint_hf_config(path: str | Path) -> dict:
     config = found / "hf_config.json"
     if not config.is_file():
         raise CheckpointError(f"{found} has no hf_config.json (written by an older version?)")
-    return json.loads(config.read_text())
+    return read_checkpoint_json(found, "hf_config.json")
 
 
 def _inner_optimizers(actor: MegatronActor) -> list:
@@ -304,9 +305,10 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    saved = json.loads((path / "trainer_state.json").read_text())
+    check_checkpoint_files(path)  # a missing or truncated file is named before Megatron reads anything
+    saved = read_checkpoint_json(path, "trainer_state.json")
     if (path / "hf_config.json").is_file():
-        check_architecture(actor.hf_config, json.loads((path / "hf_config.json").read_text()), path)
+        check_architecture(actor.hf_config, read_checkpoint_json(path, "hf_config.json"), path)
     metadata = _sharding_metadata()
     state = _model_sharded_state_dict(actor, metadata)
     with_optimizer = load_optimizer and actor.optimizer is not None
@@ -321,7 +323,9 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
         from megatron_rl.megatron_backend.conversion import error_summary
 
         raise CheckpointError(
-            f"cannot load {path}: {error_summary(err)}. Was it written for another architecture?"
+            f"cannot load {path}: {error_summary(err)} (its files are all present at the sizes "
+            "megatron/.metadata records: a file is corrupt inside, or the checkpoint was saved with other "
+            "model options); resume from an older checkpoint or re-save it"
         ) from err
     with torch.no_grad():
         for i, module in enumerate(actor.modules):
@@ -335,7 +339,13 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     actor.step = saved.get("actor_step", saved["step"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file() and saved.get("world_size") == dist.get_world_size():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            rng = torch.load(rng_file, weights_only=False)
+        except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle: the same for the user
+            from megatron_rl.megatron_backend.conversion import error_summary
+
+            raise damaged(path, f"{rng_file.relative_to(path)} is truncated/corrupt ({error_summary(err)})") from err
+        _set_rng_state(rng)
     return saved["trainer"]
 
 
