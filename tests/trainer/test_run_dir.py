@@ -22,7 +22,7 @@ from megatron_rl.config import load_config, to_dict
 from megatron_rl.megatron_backend import checkpoint
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from megatron_rl.trainer import run_dir
-from megatron_rl.trainer.run_log import restore_history
+from megatron_rl.trainer.run_log import RunLog, restore_history
 from megatron_rl.trainer.stop_signals import StopSignals, TrainingAborted
 
 CLI = [sys.executable, "-m", "megatron_rl.cli", "train"]
@@ -264,6 +264,30 @@ def test_restore_history_keeps_each_step_once_in_order(tmp_path: Path) -> None:
     kept = restore_history(path, first_step=4)
     assert [r["step"] for r in kept] == [0, 1, 2, 3] and kept[2]["x"] == 4.0  # the later row of a repeated step
     assert [json.loads(line) for line in path.read_text().splitlines()] == kept
+
+
+def test_run_log_resumes_history_and_tensorboard(tmp_path: Path) -> None:
+    """A resumed RunLog holds the earlier steps (plots and the summary cover the whole run) and TensorBoard
+    forgets the events of the steps that are redone."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rl.config.schema import LoggingConfig
+
+    cfg = LoggingConfig(wandb=False, tensorboard=True, plot=False)
+    first = RunLog(cfg, tmp_path, 4, {})
+    for step in (1, 2, 3):
+        first.log(step, {"actor/pg_loss": float(step)})
+    first.close()  # a crash after step 3; the checkpoint is at step 2
+    second = RunLog(cfg, tmp_path, 4, {}, first_step=3)
+    assert [r["step"] for r in second.history] == [1, 2]
+    for step in (3, 4):
+        second.log(step, {"actor/pg_loss": 10.0 * step})
+    second.close()
+    assert [r["actor/pg_loss"] for r in second.history] == [1.0, 2.0, 30.0, 40.0]
+    assert _steps(tmp_path) == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
 def test_stop_signals_restore_the_previous_handlers() -> None:

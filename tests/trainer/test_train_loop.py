@@ -220,7 +220,11 @@ def test_steps_without_samples_checkpoint_and_resume(model_dir: Path, tmp_path: 
     assert [r["step"] for r in empty] == [1, 2]
     assert all(r["rollout/filtered_group_frac"] == 1.0 and "actor/pg_loss" not in r for r in empty)
     assert (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file()
-    _train(run, model_dir, *common, "trainer.steps=3", "algo.dynamic_sampling=false")
+    # Another config (dynamic sampling off) continues this run only when the checkpoint is named explicitly.
+    refused = _train(run, model_dir, *common, "trainer.steps=3", "algo.dynamic_sampling=false", check=False)
+    assert refused.returncode == 2 and "another config: algo.dynamic_sampling" in refused.stderr
+    _train(run, model_dir, *common, "trainer.steps=3", "algo.dynamic_sampling=false",
+           f"trainer.resume={run / 'checkpoints'}")  # fmt: skip
     resumed = _history(run)[-1]
     assert resumed["step"] == 3 and resumed["actor/ppo_kl_first"] == 0.0  # an update ran from the checkpoint
     assert resumed["actor/grad_norm"] == resumed["actor/grad_norm"]  # finite (0 here: every reward is 0)
