@@ -23,7 +23,9 @@ from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import checkpoint
 
 RUN_FILE = "run.json"
-# Dotted config keys (and the keys under them) that may change between the starts of one run.
+# Dotted config keys (and the keys under them) that may change between the starts of one run: its length and
+# switches, checkpoint cadence, logging, and how it is deployed (parallel layout, memory phases, where and how
+# the rollout servers run) -- a requeued job may land on other nodes. Everything else identifies the run.
 RESUMABLE_CHANGES = (
     "trainer.steps",
     "trainer.resume",
@@ -32,13 +34,15 @@ RESUMABLE_CHANGES = (
     "trainer.save_every",
     "trainer.keep_last",
     "trainer.output_dir",
+    "trainer.on_nonfinite",
+    "trainer.micro_batch_tokens",
+    "trainer.offload_actor",
     "logging",
-    "rollout.sglang.urls",
-    "rollout.sglang.router_url",
-    "rollout.sglang.trainer_address",
-    "rollout.sglang.python",
-    "rollout.sglang.startup_timeout_s",
-    "rollout.sglang.request_timeout_s",
+    "parallel",
+    "rollout.sglang",
+    "rollout.bucket_mb",
+    "rollout.restarts_per_step",
+    "rollout.release_memory",
 )
 
 
