@@ -1,0 +1,315 @@
+"""Bad inputs end in one line that names the file (and line) and the fix, exit code 2, no traceback.
+
+Real files throughout: a checkpoint saved by a one-step `megatron-rl train` run of the tiny MoE (damaged in
+copies), the tiny model's own safetensors file truncated, JSONL files with a bad line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.megatron_backend.dist_checkpoint_files import expected_file_sizes
+
+REPO = Path(__file__).parents[1]
+EXAMPLE = REPO / "examples" / "tiny_moe_gspo.yaml"
+STEP = "step_000000001"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    """Run `megatron-rl ARGV` in this process: (exit code, the error line on stderr)."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megatron-rl ")]
+    assert "Traceback" not in err
+    return code, lines[-1] if lines else err
+
+
+@pytest.fixture(scope="session")
+def run_dir(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real one-step training run of the tiny MoE that saved a checkpoint (model + optimizer + RNG)."""
+    out = tmp_path_factory.mktemp("bad_inputs") / "run"
+    overrides = [f"trainer.output_dir={out}", f"model.hf_path={tiny_moe_dir}", "trainer.steps=1",
+                 "trainer.save_every=1", "warmup.sft_steps=0", "data.eval=null", "data.eval_every=0",
+                 "rollout.prompts_per_step=2", "rollout.n_samples=2", "algo.mini_batches_per_step=1",
+                 "logging.wandb=false", "logging.plot=false"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), *overrides],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (out / "checkpoints" / STEP / "COMPLETE").is_file()
+    return out
+
+
+@pytest.fixture
+def run_copy(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the run (to damage) with its checkpoint directory."""
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def samples_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("samples") / "in.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "response_start": 2}) + "\n")
+    return path
+
+
+def _distcp(checkpoint: Path) -> Path:
+    return sorted((checkpoint / "megatron").glob("*.distcp"))[-1]
+
+
+# ---------------------------------------------------------------------------------------------- dist checkpoints
+@pytest.mark.parametrize("command", ["logprobs", "convert"])
+def test_deleted_distcp_file_is_named_with_the_older_checkpoint(
+    command: str, run_copy: Path, samples_file: Path, tmp_path: Path, capsys
+) -> None:
+    ckpts = run_copy / "checkpoints"
+    shutil.copytree(ckpts / STEP, ckpts / "step_000000000")  # an older complete checkpoint to fall back to
+    damaged = ckpts / STEP
+    file = _distcp(damaged)
+    file.unlink()
+    argv = (
+        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
+        if command == "logprobs"
+        else ["convert", "megatron-to-hf", str(damaged), str(tmp_path / "hf")]
+    )
+    code, line = _cli(capsys, *argv)
+    assert code == 2
+    assert line == (
+        f"megatron-rl {command}: error: checkpoint {damaged} is damaged: megatron/{file.name} is missing (listed in "
+        f"megatron/.metadata); resume from an older checkpoint (trainer.resume={ckpts / 'step_000000000'}) or "
+        "re-save it"
+    )
+
+
+@pytest.mark.parametrize("command", ["logprobs", "convert"])
+def test_truncated_distcp_file_is_named(command: str, run_copy: Path, samples_file: Path, tmp_path: Path, capsys):
+    damaged = run_copy / "checkpoints" / STEP
+    file = _distcp(damaged)
+    needed = expected_file_sizes(damaged / "megatron")[file.name]
+    with file.open("r+b") as f:
+        f.truncate(needed // 2)
+    argv = (
+        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
+        if command == "logprobs"
+        else ["convert", "megatron-to-hf", str(run_copy / "checkpoints"), str(tmp_path / "hf")]
+    )
+    code, line = _cli(capsys, *argv)
+    assert code == 2
+    assert line == (
+        f"megatron-rl {command}: error: checkpoint {damaged} is damaged: megatron/{file.name} is truncated/corrupt "
+        f"(megatron/.metadata says it holds at least {needed} bytes, the file has {needed // 2}); re-save it (no "
+        "older complete checkpoint is next to it to resume from)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [("logprobs", "trainer_state.json"), ("logprobs", "hf_config.json"), ("convert", "hf_config.json")],
+)
+def test_corrupt_json_state_is_named(
+    command: str, name: str, run_copy: Path, samples_file: Path, tmp_path: Path, capsys
+) -> None:
+    damaged = run_copy / "checkpoints" / STEP
+    (damaged / name).write_text('{"step": 1, ')  # cut short while being written by hand
+    argv = (
+        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
+        if command == "logprobs"
+        else ["convert", "megatron-to-hf", str(damaged), str(tmp_path / "hf")]
+    )
+    code, line = _cli(capsys, *argv)
+    assert code == 2
+    assert line == (
+        f"megatron-rl {command}: error: checkpoint {damaged} is damaged: {name} is not valid JSON (Expecting "
+        "property name enclosed in double quotes: line 1 column 13 (char 12)); re-save it (no older complete "
+        "checkpoint is next to it to resume from)"
+    )
+
+
+def test_architecture_mismatch_keeps_its_own_message(run_copy: Path, tiny_moe_dir: Path, tmp_path: Path, capsys):
+    other = tmp_path / "top4"
+    shutil.copytree(tiny_moe_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 4}))
+    damaged = run_copy / "checkpoints" / STEP
+    code, line = _cli(capsys, "convert", "megatron-to-hf", str(damaged), str(tmp_path / "hf"), "--expect-config",
+                      str(other))  # fmt: skip
+    assert code == 2
+    assert line == (
+        f"megatron-rl convert: error: {damaged}: holds a model with num_experts_per_tok=2 but the model was built "
+        "with num_experts_per_tok=4: it is a checkpoint of another architecture"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def test_training_checkpoint_exports_the_runs_tokenizer(run_dir: Path, tiny_moe_dir: Path, tmp_path: Path, capsys):
+    """No --hf-extras: the tokenizer and generation config come from model.hf_path of the run's config.yaml."""
+    code = main(["convert", "megatron-to-hf", str(run_dir / "checkpoints"), str(tmp_path / "hf")])
+    assert code == 0 and "warning" not in capsys.readouterr().err
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tiny_moe_dir / name).read_bytes(), name
+
+
+def test_training_checkpoint_without_its_run_config_says_what_is_missing(
+    run_copy: Path, tiny_moe_dir: Path, tmp_path: Path, capsys
+) -> None:
+    (run_copy / "config.yaml").unlink()
+    ckpt, out = run_copy / "checkpoints" / STEP, tmp_path / "hf"
+    code = main(["convert", "megatron-to-hf", str(ckpt), str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0 and (out / "model.safetensors.index.json").is_file()  # the weights are still written
+    searched = f"{ckpt / 'hf'}; {run_copy / 'config.yaml'} (missing or unreadable)"
+    assert err == [
+        f"megatron-rl convert: warning: {out} has no tokenizer: none of tokenizer.json, tokenizer_config.json, "
+        f"special_tokens_map.json, chat_template.jinja, vocab.json, merges.txt, tokenizer.model found in {searched}; "
+        "add them with --hf-extras /path/to/hf_model (the model the checkpoint was trained from)",
+        f"megatron-rl convert: warning: {out}/generation_config.json holds only config.json's bos/eos/pad token ids: "
+        f"none found in {searched}; add the model's own with --hf-extras /path/to/hf_model",
+    ]
+    assert not (out / "tokenizer.json").exists()
+    code = main(["convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf2"), "--hf-extras", str(tiny_moe_dir)])
+    assert code == 0 and "warning" not in capsys.readouterr().err
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        assert (tmp_path / "hf2" / name).read_bytes() == (tiny_moe_dir / name).read_bytes(), name
+
+
+def test_truncated_safetensors_file_is_named(tiny_moe_dir: Path, tmp_path: Path, capsys) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_moe_dir, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size - 1000)
+    code, line = _cli(capsys, "convert", "hf-to-megatron", str(model), str(tmp_path / "out"))
+    assert code == 2
+    assert line == (
+        f"megatron-rl convert: error: {weights} is truncated or corrupt (safetensors header says {size} bytes, file "
+        f"has {size - 1000}): re-download it"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_shard_is_named(tiny_moe_dir: Path, tmp_path: Path, capsys) -> None:
+    from safetensors import safe_open
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_moe_dir, model)
+    with safe_open(model / "model.safetensors", "pt") as f:
+        names = sorted(f.keys())
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    code, line = _cli(capsys, "convert", "hf-to-megatron", str(model), str(tmp_path / "out"))
+    assert code == 2
+    assert line == (
+        f"megatron-rl convert: error: {model}: shard model-00002-of-00002.safetensors is missing "
+        f"(model.safetensors.index.json places {len(names) // 2} tensors in it): re-download it"
+    )
+
+
+def test_convert_of_an_empty_folder_names_convert_s_own_arguments(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    code, line = _cli(capsys, "convert", "hf-to-megatron", str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert code == 2
+    assert line == (
+        f"megatron-rl convert: error: {tmp_path / 'empty' / 'config.json'} not found: HF_DIR of `megatron-rl convert "
+        "hf-to-megatron HF_DIR OUT_DIR` must be a Hugging Face model directory (config.json + *.safetensors)"
+    )
+    code, line = _cli(capsys, "convert", "megatron-to-hf", str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert code == 2 and "--hf-model" not in line
+    assert line == (
+        f"megatron-rl convert: error: no complete checkpoint at {tmp_path / 'empty'} (a checkpoint directory holds "
+        "COMPLETE, hf_config.json and megatron/)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- JSONL inputs
+def test_malformed_logprobs_input_line_names_file_and_line(tiny_moe_dir: Path, tmp_path: Path, capsys) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"input_ids": [1, 2, 3], "response_start": 1}\n\n{"input_ids": [1, 2\n')
+    code, line = _cli(capsys, "logprobs", "--hf-model", str(tiny_moe_dir), "--input", str(inp), "--output",
+                      str(tmp_path / "out.jsonl"))  # fmt: skip
+    assert code == 2
+    assert line == f"megatron-rl logprobs: error: {inp}:3: not valid JSON (Expecting ',' delimiter at column 20)"
+
+
+def test_prompt_file_errors_name_file_and_line(tmp_path: Path) -> None:
+    from megatron_rl.jsonl import JsonlError
+    from megatron_rl.rollout.prompts import load_prompts
+
+    def tokenizer(text: str, add_special_tokens: bool) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a", "answer": "1"}\n{"question": "b", "answer": "2"}\n')
+    with pytest.raises(JsonlError) as err:
+        load_prompts(prompts, tokenizer)
+    assert str(err.value) == f"{prompts}:2: missing key 'prompt' (has ['answer', 'question'])"
+    prompts.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(JsonlError, match=rf"^{prompts}:2: not valid UTF-8 \("):
+        load_prompts(prompts, tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------- config paths
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.hf_path=/nonexistent/model", "model.hf_path='/nonexistent/model' does not exist: point it at a "
+         "Hugging Face model directory (config.json, *.safetensors, tokenizer), or set model.build_tiny_if_missing="
+         "true to build the tiny demo model there"),
+        ("model.hf_path={tmp}", "model.hf_path='{tmp}' has no config.json: it must be a Hugging Face model directory "
+         "(config.json, *.safetensors, tokenizer)"),
+        ("model.tokenizer_path=/nonexistent/tok", "model.tokenizer_path='/nonexistent/tok' is not a directory: set it "
+         "to the tokenizer's directory (tokenizer.json, tokenizer_config.json) or to null to use model.hf_path's"),
+        ("data.train=/nonexistent/train.jsonl", "data.train='/nonexistent/train.jsonl': no such file; give a JSONL or "
+         "Parquet prompt file, or 'synthetic'"),
+        ("data.eval={tmp}/eval.jsonl", "data.eval='{tmp}/eval.jsonl': no such file; give a JSONL or Parquet prompt "
+         "file, or 'synthetic'"),
+    ],
+)  # fmt: skip
+def test_config_paths_are_checked_before_anything_is_built(
+    override: str, message: str, tiny_moe_dir: Path, tmp_path: Path, capsys
+) -> None:
+    argv = ["train", str(EXAMPLE), f"model.hf_path={tiny_moe_dir}", "model.build_tiny_if_missing=false",
+            f"trainer.output_dir={tmp_path / 'run'}", override.format(tmp=tmp_path)]  # fmt: skip
+    code, line = _cli(capsys, *argv)
+    assert code == 2
+    assert line == f"megatron-rl train: error: {message.format(tmp=tmp_path)}"
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------- the CLI itself
+def test_closed_pipe_is_silent() -> None:
+    """`megatron-rl train --help-config | head`: the reader goes away before we write; exit 0, nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", "--help-config"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
+
+
+def test_help_documents_the_traceback_switch(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--traceback, --debug" in capsys.readouterr().out
+
+
+def test_truncated_rng_state_is_named(run_copy: Path, samples_file: Path, tmp_path: Path, capsys) -> None:
+    damaged = run_copy / "checkpoints" / STEP
+    rng = damaged / "rng" / "rank_00000.pt"
+    with rng.open("r+b") as f:
+        f.truncate(100)
+    code, line = _cli(capsys, "logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output",
+                      str(tmp_path / "o"))  # fmt: skip
+    assert code == 2
+    assert line.startswith(
+        f"megatron-rl logprobs: error: checkpoint {damaged} is damaged: rng/rank_00000.pt is truncated/corrupt ("
+    )
+    assert line.endswith("); re-save it (no older complete checkpoint is next to it to resume from)")
