@@ -180,6 +180,30 @@ def test_training_checkpoint_without_its_run_config_says_what_is_missing(
         assert (tmp_path / "hf2" / name).read_bytes() == (tiny_moe_dir / name).read_bytes(), name
 
 
+def test_training_checkpoint_with_relative_model_path_converts_from_anywhere(
+    run_dir: Path, tiny_moe_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """config.yaml's relative model.hf_path starts where the run started (found from its trainer.output_dir)."""
+    work = tmp_path / "work"
+    shutil.copytree(run_dir, work / "runs" / "r")
+    shutil.copytree(tiny_moe_dir, work / "models" / "m")
+    config = work / "runs" / "r" / "config.yaml"
+    config.write_text(config.read_text().replace(str(tiny_moe_dir), "models/m").replace(str(run_dir), "runs/r"))
+    monkeypatch.chdir(tmp_path)  # not the directory the run started in
+    ckpts = work / "runs" / "r" / "checkpoints"
+    assert main(["convert", "megatron-to-hf", str(ckpts), str(tmp_path / "hf")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tiny_moe_dir / "tokenizer.json").read_bytes()
+    shutil.rmtree(work / "models")
+    assert main(["convert", "megatron-to-hf", str(ckpts), str(tmp_path / "hf2")]) == 0
+    searched = f"{ckpts / STEP / 'hf'}; model.tokenizer_path=models/m of {config} (not found)"
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"megatron-rl convert: warning: {tmp_path / 'hf2'} has no tokenizer: none of tokenizer.json, "
+        "tokenizer_config.json, special_tokens_map.json, chat_template.jinja, vocab.json, merges.txt, tokenizer.model "
+        f"found in {searched}; add them with --hf-extras /path/to/hf_model (the model the checkpoint was trained from)"
+    )
+
+
 def test_truncated_safetensors_file_is_named(tiny_moe_dir: Path, tmp_path: Path, capsys) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_moe_dir, model)

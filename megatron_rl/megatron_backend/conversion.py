@@ -321,17 +321,38 @@ def _extras_sources(checkpoint: Path, explicit: str | Path | None) -> list[tuple
             raise FileNotFoundError(f"--hf-extras {explicit} is not a directory (an HF model directory is expected)")
         return [(Path(explicit), f"--hf-extras {explicit}")]
     sources = [(checkpoint / "hf", f"{checkpoint / 'hf'}")]
-    if checkpoint.parent.name == "checkpoints":
-        config = checkpoint.parent.parent / "config.yaml"
-        try:
-            model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
-        except (OSError, yaml.YAMLError, AttributeError):
-            model = {}
-            sources.append((config, f"{config} (missing or unreadable)"))
-        for key in ("tokenizer_path", "hf_path"):
-            if isinstance(model.get(key), str):
-                sources.append((Path(model[key]), f"model.{key}={model[key]} of {config}"))
+    if checkpoint.parent.name != "checkpoints":
+        return sources
+    run = checkpoint.parent.parent
+    config = run / "config.yaml"
+    try:
+        saved = yaml.safe_load(config.read_text()) or {}
+        model, output_dir = saved.get("model") or {}, (saved.get("trainer") or {}).get("output_dir")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return [*sources, (config, f"{config} (missing or unreadable)")]
+    start_dir = _run_start_dir(run, output_dir)
+    seen: set[Path] = set()
+    for key in ("tokenizer_path", "hf_path"):
+        value = model.get(key)
+        if not isinstance(value, str) or start_dir / value in seen:
+            continue  # tokenizer_path defaults to hf_path: look there once
+        path = start_dir / value  # an absolute value stays as it is
+        seen.add(path)
+        sources.append((path, f"model.{key}={value} of {config}" + ("" if path.is_dir() else " (not found)")))
     return sources
+
+
+def _run_start_dir(run: Path, output_dir: object) -> Path:
+    """The directory `megatron-rl train` ran in, where the relative paths of its config.yaml start.
+
+    Known when the config's `trainer.output_dir` is relative and `run` ends with it (`runs/x` -> the folder
+    holding `runs/`); otherwise the current directory.
+    """
+    parts = Path(output_dir).parts if isinstance(output_dir, str) and not Path(output_dir).is_absolute() else ()
+    resolved = run.resolve().parts
+    if parts and ".." not in parts and resolved[-len(parts) :] == parts:
+        return Path(*resolved[: -len(parts)])
+    return Path.cwd()
 
 
 def _copy_checkpoint_extras(checkpoint: Path, dest: Path, out: Path, explicit: str | Path | None) -> tuple[str, ...]:
