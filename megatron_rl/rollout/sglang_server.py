@@ -208,7 +208,10 @@ class SGLangServers:
         port = free_port(config.host)
         log_path = Path(config.log_dir) / f"sglang_router_{port}.log"
         cmd = self._keyed_command(
-            "sglang_router.launch_router", "--host", config.host, "--port", str(port), "--policy", config.router_policy
+            "sglang_router.launch_router",
+            *("--host", config.host, "--port", str(port), "--policy", config.router_policy),
+            # its metrics exporter would listen on 0.0.0.0:29000 (no key there): keep it local, on a free port
+            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
         )  # its --api-key guards the router's endpoints and is sent to the workers
         with _private_log(log_path) as log:
             self._router_proc = subprocess.Popen(

@@ -108,7 +108,7 @@ start_sglang_servers() {
         srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/router_${node}.log" \
             "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang_router.launch_router \
             --host "${SGLANG_HOST:-$node}" --port "$PLAN_ROUTER_PORT" --policy "$PLAN_ROUTER_POLICY" \
-            --worker-urls "${SERVER_URLS[@]}" &
+            --prometheus-host 127.0.0.1 --worker-urls "${SERVER_URLS[@]}" &
         pid=$!
         CHILD_PIDS+=("$pid")
         ROUTER_URL="http://$node:$PLAN_ROUTER_PORT"

@@ -3,12 +3,20 @@
 Tests run in file order on one server: generation, log-probs and routed experts vs transformers, pause/abort,
 the three weight-sync paths (each loads a different random model; served log-probs must then match it),
 and finally crash (kill -9) -> clear error within the timeout -> restart -> works again.
+The server runs with the API key the launch gives it (SGLang's --api-key): every test above works with it, a
+request without it or with a wrong one is refused, and the key shows in no command line and no log.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -230,13 +238,46 @@ def test_weight_sync_disk_temporary_directories_twice(engine: SGLangEngine, tiny
     _sync_and_check(engine, sync, tiny_models["d"], "v5-disk-tmp")
 
 
+def _status(url: str, path: str, body: dict | None, key: str | None) -> int:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_requests_without_or_with_a_wrong_key_are_refused(servers: SGLangServers, tiny_models):
+    url = servers.urls[0]
+    calls = {
+        "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+        "/update_weights_from_disk": {"model_path": str(tiny_models["b"])},
+        "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                       "world_size": 2, "group_name": "intruder", "backend": "gloo"},
+        "/update_weights_from_tensor": {"serialized_named_tensors": []},
+        "/pause_generation": {"mode": "abort"},
+        "/server_info": None,
+    }  # fmt: skip
+    for path, body in calls.items():
+        for key in (None, "wrong-" + servers.api_key):
+            assert _status(url, path, body, key) == 401, (path, key is None)
+    assert _status(url, "/health", None, None) == 200  # SGLang leaves health probes open
+    with pytest.raises(SGLangServerError, match="HTTP 401"):
+        SGLangEngine([url], request_timeout_s=30).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert _status(url, "/generate", calls["/generate"], servers.api_key) == 200
+
+
 def test_router_in_front(servers: SGLangServers):
     try:
         start = time.perf_counter()
         servers.start_router()
         REPORT["router_start_s"] = time.perf_counter() - start
         via_router = SGLangEngine(servers, request_timeout_s=60)
-        direct = SGLangEngine(SGLangServers.connect(servers.urls), request_timeout_s=60)
+        direct = SGLangEngine(SGLangServers.connect(servers.urls, api_key=servers.api_key), request_timeout_s=60)
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert _status(servers.router_url, "/generate", body, None) == 401  # the router checks the key too
+        assert _status(servers.router_url, "/generate", body, "wrong") == 401
         params = SamplingParams(max_new_tokens=6, temperature=0.0)
         assert [s.response_ids for s in via_router.generate(PROMPTS, params)] == [
             s.response_ids for s in direct.generate(PROMPTS, params)
@@ -247,6 +288,32 @@ def test_router_in_front(servers: SGLangServers):
         raise
     finally:
         servers.stop_router()
+
+
+def _group_cmdlines(leader: int) -> list[str]:
+    """Command lines of every process in `leader`'s process group (the server and its scheduler processes)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == leader:
+                out.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ProcessLookupError):
+            pass
+    return out
+
+
+def test_the_key_is_on_no_command_line_and_in_no_log(servers: SGLangServers):
+    key = servers.api_key
+    assert stat.S_IMODE(servers.api_key_file.stat().st_mode) == 0o600
+    cmdlines = _group_cmdlines(servers._procs[0].pid)
+    assert len(cmdlines) >= 2 and not any(key in c for c in cmdlines), cmdlines
+    assert key not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    logs = [p for p in Path(servers.config.log_dir).iterdir() if p != servers.api_key_file]
+    for log in logs:
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600, log
+        assert key not in log.read_text(errors="replace"), log
+    server_log = next(p for p in logs if p.name.startswith("sglang_0_")).read_text()
+    assert "'api_key': '<redacted>'" in server_log  # SGLang logs its arguments; the launcher redacts the key
 
 
 def test_crash_clear_error_then_restart(servers: SGLangServers, tiny_models):
