@@ -102,7 +102,7 @@ class StopSignals:
     def _ask_to_stop(self, signum: int, name: str) -> None:
         self.requested = signum
         if self.announce:  # os.write: print() may be in progress on this thread and is not reentrant
-            os.write(2, f"{name}: stopping after step {self.step} ({_key(signum)} again to abort now)\n".encode())
+            os.write(2, f"{name}: stopping at the end of this step ({_key(signum)} again to abort now)\n".encode())
 
     def agreed(self) -> int | None:
         """Collective (every rank calls it at the same step boundary): the signal any rank got, or None."""

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_rl.config import load_config, to_dict
 from megatron_rl.megatron_backend import checkpoint
+from megatron_rl.megatron_backend.distributed import free_port
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.run_log import RunLog, restore_history
@@ -210,6 +211,37 @@ def test_second_signal_aborts_at_once(model_dir: Path, tmp_path: Path) -> None:
     assert "Traceback" not in output
     assert output.strip().splitlines()[-1].startswith("interrupted ")
     assert "(SIGTERM" in output.strip().splitlines()[-1] and "resume with: megatron-rl train" in output
+
+
+@pytest.mark.torchrun
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(model_dir: Path, tmp_path: Path) -> None:
+    """Under torchrun (DP=2) only rank 1 gets SIGTERM: rank 0 learns it at the step boundary, both save the
+    checkpoint of that step together (a collective: no rank waits forever) and stop."""
+    import psutil
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+            str(Path(__file__).parents[2] / "megatron_rl" / "cli.py"), *_args(out, model_dir, "trainer.steps=30",
+            "trainer.save_every=0")[3:]]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 1/"):
+                for worker in psutil.Process(proc.pid).children(recursive=True):
+                    if "RANK=1" in Path(f"/proc/{worker.pid}/environ").read_text().split("\0"):
+                        os.kill(worker.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    (line,) = [line for line in output.splitlines() if line.startswith("interrupted at step")]
+    stopped = int(line.split()[3].rstrip(";"))
+    assert stopped < 30 and "(saved now: trainer.save_on_interrupt=true)" in line, output[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:09d}"
+    assert _steps(out) == list(range(1, stopped + 1))
 
 
 # ---------------------------------------------------------------------------------------------- the parts
