@@ -188,11 +188,9 @@ def plan_run(cfg: RLConfig, *, now: datetime | None = None) -> RunPlan:
             notes.append(f"{out}: adopting the run found there (it has no {RUN_FILE}) as trainer.resume asks")
         else:
             identity = replace(previous, config_hash=digest)
-            changed = _changed_since_last_start(out, cfg)
             if previous.config_hash != digest:
-                notes.append(
-                    f"{out}: continuing the run with a changed config ({_listing(changed)}) as trainer.resume asks"
-                )
+                changed = _listing(_changed_since_last_start(out, cfg))
+                notes.append(f"{out}: continuing the run with a changed config ({changed}) as trainer.resume asks")
         return _plan_from(out, identity, Path(t.resume), t.steps, notes=notes)
     if previous is None:
         raise _refusal(
