@@ -1,0 +1,134 @@
+"""A run killed (SIGKILL) at random moments, or stopped (SIGTERM, Ctrl-C), and resumed ends exactly where an
+uninterrupted run ends: the same weights, optimizer state and RNG bit for bit, every step logged once."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.faults.conftest import Reference
+from tests.faults.harness import (
+    REPO,
+    STEPS,
+    Trainer,
+    comparable,
+    compare_checkpoints,
+    history,
+    latest,
+    train_command,
+)
+
+KILLS = 10
+PHASES = ("startup", "rollout", "training", "weight sync", "checkpoint write")
+
+
+def _step_of(checkpoint: Path | None) -> int:
+    return int(checkpoint.name.split("_")[1]) if checkpoint is not None else 0
+
+
+def _kill_at_random_moment(out: Path, model: Path, ref: Reference, phase: str, rng: random.Random) -> dict:
+    """Start (or resume) the run and SIGKILL it, with its checkpoint writers, in `phase` of the step after the
+    next one: aimed by the step lines and, for a checkpoint write, by its `.tmp_step_*` folder appearing;
+    placed at a uniform random moment within the phase's duration in the reference run (at the latest when
+    that step's checkpoint is complete)."""
+    start = _step_of(latest(out))
+    if start >= STEPS - 1:
+        phase = "startup"  # keep the run unfinished, so that every start can be killed
+    target = start + 2
+    run = Trainer(train_command(out, model))
+    ckpts = out / "checkpoints"
+    if phase == "startup":
+        delay = rng.uniform(0.0, ref.startup_s)
+        time.sleep(delay)
+    else:
+        assert run.wait_for(rf"^step {target - 1}/{STEPS}\b") is not None, run.output()[-3000:]
+        row = ref.rows[target - 1]
+        rollout, train = row["time/rollout"], row["time/old_logp"] + row["time/train"]
+        window = {
+            "rollout": (0.0, rollout),
+            "training": (rollout, rollout + train),
+            "weight sync": (rollout + train, rollout + train + row["time/weight_sync"]),
+            "checkpoint write": (0.0, row.get("time/checkpoint", 0.0)),
+        }[phase]
+        if phase == "checkpoint write":
+            tmp = ckpts / f".tmp_step_{target:09d}"
+            while not tmp.exists() and _step_of(latest(out)) < target and run.proc.poll() is None:
+                time.sleep(0.001)
+        delay = rng.uniform(*window)
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and _step_of(latest(out)) < target:
+            time.sleep(0.001)
+    writing = sorted(p.name for p in ckpts.glob(".tmp_step_*"))  # evidence of a checkpoint write in progress
+    run.signal(signal.SIGKILL)
+    code = run.wait()
+    after = latest(out)
+    if after is not None:  # whatever the moment, `latest` names a complete checkpoint
+        assert (after / "COMPLETE").is_file(), f"latest names {after}, which is incomplete"
+    return {"phase": phase, "step": target, "delay_s": round(delay, 3), "killed": code == -signal.SIGKILL,
+            "writing": writing, "latest_before": start, "latest_after": _step_of(after)}  # fmt: skip
+
+
+def test_sigkill_at_random_moments_then_resume_is_exact(fault_model: Path, reference: Reference, tmp_path: Path):
+    seed = int(os.environ.get("FAULTS_SEED", "20261130"))
+    rng = random.Random(seed)
+    out = tmp_path / "run"
+    phases = [PHASES[i % len(PHASES)] for i in range(KILLS)]
+    rng.shuffle(phases)
+    t0 = time.monotonic()
+    kills = []
+    for phase in phases:
+        kills.append(record := _kill_at_random_moment(out, fault_model, reference, phase, rng))
+        print(f"kill {len(kills)}: {record}")
+    last = Trainer(train_command(out, fault_model))
+    assert last.wait() == 0, last.output()[-3000:]
+    killed = sum(k["killed"] for k in kills)
+    assert killed == KILLS, kills
+
+    rows = history(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "every step logged exactly once, in order"
+    assert comparable(rows) == comparable(reference.rows)
+    final = latest(out)
+    assert final is not None and final.name == reference.final.name
+    cmp = compare_checkpoints(final, reference.final)
+    assert cmp.different == [], f"differs from the uninterrupted run: {cmp.different[:10]}"
+    assert cmp.bytes_lost == 0
+    print(
+        f"fault suite (seed {seed}): faults injected: {killed} SIGKILL ({', '.join(sorted(set(phases)))}); "
+        f"runs resumed: {len(kills)}; bytes lost: {cmp.bytes_lost} of {cmp.bytes_compared} checkpoint tensor bytes "
+        f"({cmp.tensors} tensors) and 0 of {len(rows)} metrics rows; {time.monotonic() - t0:.0f} s"
+    )
+
+
+def _stop(run: Trainer, signum: int, after_step: int) -> re.Match:
+    assert run.wait_for(rf"^step {after_step}/{STEPS}\b") is not None, run.output()[-3000:]
+    run.signal(signum)
+    code = run.wait()
+    assert code == 128 + signum, (code, run.output()[-3000:])
+    line = re.compile(r"^interrupted at step (\d+); last checkpoint step (\d+)\b.*; resume with: (.+)$", re.M)
+    match = line.search(run.output())
+    assert match is not None, run.output()[-3000:]
+    assert "Traceback" not in run.output() and "KeyboardInterrupt" not in run.output()
+    return match
+
+
+def test_sigterm_and_ctrl_c_stop_cleanly_and_resume_exactly(fault_model: Path, reference: Reference, tmp_path: Path):
+    out = tmp_path / "run"
+    term = _stop(Trainer(train_command(out, fault_model)), signal.SIGTERM, after_step=2)
+    stopped, saved = int(term[1]), int(term[2])
+    assert saved == stopped == _step_of(latest(out))  # stops at a step boundary and saves there
+    ctrl_c = _stop(Trainer(train_command(out, fault_model)), signal.SIGINT, after_step=stopped + 2)
+    assert int(ctrl_c[2]) == int(ctrl_c[1]) == _step_of(latest(out))
+    # The printed command resumes the run.
+    done = subprocess.run(shlex.split(ctrl_c[3]), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = history(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert comparable(rows) == comparable(reference.rows)
+    cmp = compare_checkpoints(latest(out), reference.final)
+    assert cmp.different == [] and cmp.bytes_lost == 0
