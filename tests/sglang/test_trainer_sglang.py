@@ -1,8 +1,9 @@
 """`megatron-rl train` with real SGLang rollout servers (CPU, test shims), and R3 against no replay.
 
-The trainer connects to servers launched here (`rollout.sglang.urls`), syncs the warmed-up weights into them
-(tensor path) and after every step. Measured: trainer-vs-rollout log-prob mismatch with routing replay off and R3
-when the server computes in bf16 and the trainer in fp32 (routes then differ between the two).
+The trainer connects to servers launched here (`rollout.sglang.urls`, their API key through
+`rollout.sglang.api_key_file`), syncs the warmed-up weights into them (tensor path) and after every step; the key
+shows in none of the run's files or its output. Measured: trainer-vs-rollout log-prob mismatch with routing replay
+off and R3 when the server computes in bf16 and the trainer in fp32 (routes then differ between the two).
 """
 
 from __future__ import annotations
@@ -46,7 +47,19 @@ def _launch(sglang_py: str, model_dir: Path, dtype: str, log_dir: Path) -> SGLan
     )
 
 
-def _train(out: Path, model_dir: Path, url: str, *overrides: str) -> list[dict]:
+def _assert_secret_absent(secret: str, out: Path, *texts: str) -> None:
+    """`secret` is in no file of the run folder (config.yaml, metrics.jsonl, logs, ...) but its key file, and in
+    none of `texts` (the run's output)."""
+    for path in out.rglob("*"):
+        if path.is_file() and path.name != ".rollout_api_key":
+            assert secret.encode() not in path.read_bytes(), path
+    for text in texts:
+        assert secret not in text
+
+
+def _train(
+    out: Path, model_dir: Path, url: str, *overrides: str, api_key: tuple[Path, str] | None = None
+) -> list[dict]:
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
         f"model.hf_path={model_dir}", "rollout.engine=sglang", f"rollout.sglang.urls=[{url}]",
@@ -54,8 +67,13 @@ def _train(out: Path, model_dir: Path, url: str, *overrides: str) -> list[dict]:
         "warmup.sft_lr=2e-3", "optimizer.lr=1e-4", "trainer.steps=3", "data.eval=null", "data.eval_every=0",
         "trainer.save_every=0", "logging.wandb=false", "logging.plot=false", *overrides,
     ]  # fmt: skip
+    if api_key is not None:
+        cmd.append(f"rollout.sglang.api_key_file={api_key[0]}")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if api_key is not None:
+        assert str(api_key[0]) in (out / "config.yaml").read_text()  # the file's path is recorded, not the key
+        _assert_secret_absent(api_key[1], out, proc.stdout, proc.stderr)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -66,7 +84,11 @@ def _train(out: Path, model_dir: Path, url: str, *overrides: str) -> list[dict]:
 )  # fmt: skip
 def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path, sync: tuple[str, str]) -> None:
     with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
-        history = _train(tmp_path / "run", model_dir, servers.urls[0], *sync)
+        history = _train(
+            tmp_path / "run", model_dir, servers.urls[0], *sync, api_key=(servers.api_key_file, servers.api_key)
+        )
+        for log in (tmp_path / "logs").glob("sglang_*.log"):
+            assert servers.api_key not in log.read_text(errors="replace")
     assert len(history) == 3
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0
@@ -140,6 +162,9 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
         os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its scheduler processes
         output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output[-4000:]
+    key_file = out / ".rollout_api_key"  # the run's own key, made at launch (rollout.sglang.api_key_file=null)
+    assert (key_file.stat().st_mode & 0o777) == 0o600
+    _assert_secret_absent(key_file.read_text().strip(), out, output)  # config.yaml, metrics, sglang_logs/
     history = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2, 3]
     assert sum(r["rollout/restarts"] for r in history) == 1, [r["rollout/restarts"] for r in history]
