@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,10 +194,11 @@ def read_trainer_state(path: str | Path) -> dict:
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
 
 
-def _out_of_space(err: BaseException) -> str | None:
-    """The reason ("No space left on device", ...) if a full disk is behind `err`. Megatron's writer runs in
-    worker processes and torch.distributed.checkpoint gathers their errors by pickling, which drops the
-    `OSError` cause: only the message survives."""
+def _out_of_space(err: BaseException, tmp: Path) -> str | None:
+    """The reason ("No space left on device", ...) if a full disk is behind `err`, a failed save into `tmp`.
+    Megatron's writer runs in worker processes and torch.distributed.checkpoint gathers their errors by
+    pickling, which drops the `OSError` cause: only the message survives, and torch's zip writer reports a
+    short write with no reason at all ("unexpected pos ..."); then the disk itself is asked."""
     seen, todo = set(), [err]
     while todo:
         e = todo.pop()
@@ -212,6 +214,11 @@ def _out_of_space(err: BaseException) -> str | None:
             return reason
         failures = getattr(e, "failures", None)
         todo += [e.__cause__, e.__context__, *e.args, *(failures.values() if isinstance(failures, dict) else ())]
+    if tmp.exists() and shutil.disk_usage(tmp).free < 1 << 20:
+        return os.strerror(errno.ENOSPC)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and any(f.stat().st_size >= limit for f in tmp.rglob("*") if f.is_file()):
+        return f"{os.strerror(errno.EFBIG)}: the file-size limit (ulimit -f) is {limit} bytes"
     return None
 
 
@@ -221,14 +228,17 @@ def _reports_out_of_space(save):
 
     @functools.wraps(save)
     def save_or_report(actor: MegatronActor, root: str | Path, step: int, *args, **kwargs) -> Path:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         try:
             return save(actor, root, step, *args, **kwargs)
-        except BaseException as err:  # torch's CheckpointException is a BaseException
-            reason = _out_of_space(err)
+        except (Exception, CheckpointException) as err:
+            tmp = Path(root) / f".tmp_{step_dir_name(step)}"
+            reason = _out_of_space(err, tmp)
             if reason is None:
                 raise
             root = Path(root)
-            shutil.rmtree(root / f".tmp_{step_dir_name(step)}", ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             previous = latest_checkpoint(root)
             raise CheckpointError(
                 f"no space left for checkpoint {step_dir_name(step)} in {root} ({reason}); the partial save "
