@@ -21,7 +21,7 @@ import torch
 
 REPO = Path(__file__).parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_gspo.yaml"
-STEPS = 14  # room for 10 kills, each of which lets the run advance a step or two
+STEPS = 18  # room for 10 kills, each of which lets the run advance a step or two
 RUN = (
     "warmup.sft_steps=0",
     "data.eval=null",
@@ -85,6 +85,11 @@ class Trainer:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no line matching {pattern!r} after {timeout} s:\n{self.output()[-3000:]}")
                 self._new_line.wait(timeout=1.0)
+
+    def seen(self, regex: re.Pattern) -> bool:
+        """Whether a line so far matches (no waiting)."""
+        with self._new_line:
+            return any(regex.search(line) for _, line in self.lines)
 
     def signal(self, signum: int) -> None:
         try:

@@ -7,14 +7,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.faults.harness import all_finite, error_lines, history, latest, train
+import pytest
+
+from tests.faults.harness import Trainer, all_finite, error_lines, history, latest, train_command
 
 OVERFLOW = ("data.reward=tests.faults.fault_rewards:overflow_at_step_2", "trainer.steps=3")
 
 
-def test_nonfinite_loss_stops_with_step_and_micro_batch(fault_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    code, output = train(out, fault_model, *OVERFLOW)
+@pytest.fixture(scope="module")
+def runs(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int, str]]:
+    """Both policies, run side by side (start-up is single-threaded: two cores start two runs at once)."""
+    root = tmp_path_factory.mktemp("nonfinite")
+    started = {
+        mode: (root / mode, Trainer(train_command(root / mode, fault_model, *OVERFLOW, f"trainer.on_nonfinite={mode}")))
+        for mode in ("stop", "skip")
+    }
+    return {mode: (out, run.wait(), run.output()) for mode, (out, run) in started.items()}
+
+
+def test_nonfinite_loss_stops_with_step_and_micro_batch(runs: dict) -> None:
+    out, code, output = runs["stop"]
     assert code == 2, output[-3000:]
     errors = error_lines(output)
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
@@ -25,9 +37,8 @@ def test_nonfinite_loss_stops_with_step_and_micro_batch(fault_model: Path, tmp_p
     assert [r["step"] for r in history(out)] == [1]
 
 
-def test_nonfinite_loss_skipped_and_counted(fault_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    code, output = train(out, fault_model, *OVERFLOW, "trainer.on_nonfinite=skip")
+def test_nonfinite_loss_skipped_and_counted(runs: dict) -> None:
+    out, code, output = runs["skip"]
     assert code == 0, output[-3000:]
     assert output.count("update skipped (trainer.on_nonfinite=skip)") == 2
     rows = history(out)
