@@ -154,7 +154,6 @@ def test_tiny_moe_trains_with_megatron_ddp_optimizer_and_schedule(megatron_world
     assert any(s.startswith("megatron/core/transformer/moe/router.py") for s in hits["torch.cuda.current_device"])
     assert any(s.startswith("megatron/core/pipeline_parallel/schedules.py") for s in hits["device='cuda'"])
     assert any(s.startswith("megatron/core/optimizer/clip_grads.py") for s in hits["Tensor.type()"])
-    assert not any("(outside)" in site for sites in hits.values() for site in sites if "test_platform" not in site)
 
 
 def test_vocab_parallel_logprobs_equal_log_softmax(megatron_world) -> None:
