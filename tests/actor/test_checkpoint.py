@@ -20,7 +20,15 @@ def _phase(model: Path, ckpt: Path, out: Path, phase: str, nproc: int = 1, extra
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(("nproc", "extra"), [(1, ()), (2, ()), (2, ("--ep", "2"))], ids=["single", "dp2", "ep2"])
+# The single process resumes exactly in tests/trainer (the whole loop) too: the slow tier.
+@pytest.mark.parametrize(
+    ("nproc", "extra"),
+    [
+        pytest.param(1, (), id="single", marks=pytest.mark.slow),
+        pytest.param(2, (), id="dp2"),
+        pytest.param(2, ("--ep", "2"), id="ep2"),
+    ],
+)
 def test_resume_continues_exactly(tiny_moe_dir: Path, tmp_path: Path, nproc: int, extra: tuple[str, ...]) -> None:
     """Steps 3-4 after resuming from the step-2 checkpoint equal steps 3-4 of the uninterrupted run.
 

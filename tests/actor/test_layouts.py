@@ -60,7 +60,10 @@ def test_single_process_invariants(single_process: dict) -> None:
     assert single_process["offload"]["freed"] and single_process["offload"]["bitwise"]
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+# Full recompute with TP2: also run (with routing replay) by tests/routing; here in the slow tier.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp2_recompute_full" else n for n in sorted(LAYOUTS)]
+)
 def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe_dir: Path, tmp_path: Path) -> None:
     got = _run(tiny_moe_dir, tmp_path / f"{name}.json", 2, LAYOUTS[name])
     ref = single_process

@@ -60,7 +60,9 @@ def test_logprobs_match_transformers(tiny_moe_dir: Path, tmp_path: Path) -> None
     _assert_matches_hf(got, hf_score(tiny_moe_dir, samples))
 
 
-@pytest.mark.parametrize("variant", ["tied_no_norm_topk", "sparse_step2", "gqa4_top4"])
+@pytest.mark.parametrize(
+    "variant", ["tied_no_norm_topk", pytest.param("sparse_step2", marks=pytest.mark.slow), "gqa4_top4"]
+)
 def test_logprobs_match_transformers_variants(variant: str, tiny_moe_variants: dict, tmp_path: Path) -> None:
     model = tiny_moe_variants[variant]
     samples = make_samples(vocab=128, n=3, seed=1)
@@ -68,7 +70,15 @@ def test_logprobs_match_transformers_variants(variant: str, tiny_moe_variants: d
     _assert_matches_hf(got, hf_score(model, samples))
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen2_moe_tied", "mixtral"])
+# qwen2_moe_tied covers Qwen2-MoE (shared expert, tied embeddings); Mixtral and untied Qwen2-MoE at TP2xEP2 below
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+        "qwen2_moe_tied",
+        pytest.param("mixtral", marks=pytest.mark.slow),
+    ],
+)
 def test_other_families_match_transformers(family: str, other_families: dict, tmp_path: Path) -> None:
     model = other_families[family]
     samples = make_samples(vocab=128, n=3, seed=4)
@@ -76,7 +86,9 @@ def test_other_families_match_transformers(family: str, other_families: dict, tm
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family", [pytest.param("qwen2_moe", marks=pytest.mark.slow), "mixtral"]
+)  # Qwen2-MoE at TP2xEP2: tests/conversion
 def test_other_families_tp2_ep2(family: str, other_families: dict, tmp_path: Path) -> None:
     model = other_families[family]
     samples = make_samples(vocab=128, n=3, seed=5)

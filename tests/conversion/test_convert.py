@@ -135,10 +135,10 @@ def _copy_with_config(source: Path, dest: Path, **changes) -> Path:
     ("change", "expected"),
     [
         ({"vocab_size": 256}, "vocab_size=256 but"),
-        ({"hidden_size": 96}, "hidden_size=96 but"),
+        pytest.param({"hidden_size": 96}, "hidden_size=96 but", marks=pytest.mark.slow),
         ({"tie_word_embeddings": True}, "tie_word_embeddings=True but the checkpoint has lm_head.weight"),
-        ({"num_experts": 4}, "has 4 experts per layer"),
-        ({"moe_intermediate_size": 48}, "moe_intermediate_size=48"),
+        pytest.param({"num_experts": 4}, "has 4 experts per layer", marks=pytest.mark.slow),
+        pytest.param({"moe_intermediate_size": 48}, "moe_intermediate_size=48", marks=pytest.mark.slow),
     ],
 )
 def test_hf_config_that_does_not_fit_the_weights_is_refused(tiny_moe_dir: Path, tmp_path: Path, change, expected):

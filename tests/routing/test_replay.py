@@ -22,7 +22,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp1_second_model" else n for n in sorted(LAYOUTS)]
+)
 def test_replay_forces_recorded_routes(name: str, tiny_moe_dir: Path, tmp_path: Path) -> None:
     nproc, args = LAYOUTS[name]
     out = tmp_path / "out.json"
