@@ -116,8 +116,10 @@ def test_sigkill_at_random_moments_then_resume_is_exact(fault_model: Path, refer
     assert comparable(history(out)) == comparable(reference.rows)
 
 
-def _stop(run: Trainer, signum: int, after_step: int) -> re.Match:
+def _stop(run: Trainer, signum: int, after_step: int, ref: Reference) -> re.Match:
+    """Signal the run in the middle of the rollout of step `after_step + 1`; it stops at the end of that step."""
     assert run.wait_for(rf"^step {after_step}/{STEPS}\b") is not None, run.output()[-3000:]
+    time.sleep(ref.rows[after_step]["time/rollout"] / 2)
     run.signal(signum)
     code = run.wait()
     assert code == 128 + signum, (code, run.output()[-3000:])
@@ -132,13 +134,14 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_resume_exactly(fault_model: Path, r
     """Both signals go to the whole process group, as a terminal's Ctrl-C and SLURM's scancel send them (the
     trainer's helper processes get them too)."""
     out = tmp_path / "run"
-    ctrl_c = _stop(Trainer(train_command(out, fault_model)), signal.SIGINT, after_step=2)
+    ctrl_c = _stop(Trainer(train_command(out, fault_model)), signal.SIGINT, 2, reference)
     stopped, saved = int(ctrl_c[1]), int(ctrl_c[2])
     assert saved == stopped == _step_of(latest(out))  # stops at a step boundary and saves there
-    term = _stop(Trainer(train_command(out, fault_model)), signal.SIGTERM, after_step=stopped + 2)
+    term = _stop(Trainer(train_command(out, fault_model)), signal.SIGTERM, stopped + 2, reference)
     assert int(term[2]) == int(term[1]) == _step_of(latest(out))
     # The printed command resumes the run.
-    done = subprocess.run(shlex.split(term[3]), cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the console script does not put the cwd on sys.path
+    done = subprocess.run(shlex.split(term[3]), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = history(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
