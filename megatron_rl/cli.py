@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -52,10 +53,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             sys.stdout.flush()  # a closed pipe shows here (also after --help), not at interpreter exit
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a pipe to some helper process broke: a real failure, not `| head`
         # The reader of our output went away (`megatron-rl train --help-config | head`): stop quietly, as Unix
         # tools do. Python's recipe: point stdout at devnull so the flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports POLLERR on such a pipe's write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # stdout closed or not a real file
+        return True
 
 
 def _main(argv: Sequence[str] | None) -> int:

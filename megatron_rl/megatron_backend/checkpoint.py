@@ -25,6 +25,8 @@ import os
 import re
 import resource
 import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +249,25 @@ def _reports_out_of_space(save):
             ) from err
 
     return save_or_report
+
+
+def start_checkpoint_writer() -> None:
+    """Start the helper process Megatron's checkpoint writer keeps for the life of the process now, with SIGINT and
+    SIGTERM ignored (it inherits the dispositions).
+
+    A signal to the whole process group (Ctrl-C in a terminal, SLURM's scancel) would otherwise kill it, and the
+    trainer, which stops at the next step boundary and saves that step, would find its writer gone (a broken pipe).
+    It still ends with the trainer (the Manager's finaliser) and on SIGKILL. Call before installing signal handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        platform.checkpoint_writer_results_queue()
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        platform.checkpoint_writer_results_queue()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @_reports_out_of_space

@@ -691,6 +691,16 @@ def transformer_engine_available() -> bool:
     return _TE_AVAILABLE
 
 
+def checkpoint_writer_results_queue() -> Any:
+    """The results queue of Megatron's checkpoint writer, created on first use: a spawned multiprocessing Manager
+    process that lives as long as this process (`_get_write_results_queue` in 0.16.x, `get_write_results_queue`
+    in 0.19.x; megatron/core/dist_checkpointing/strategies/filesystem_async.py)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    get_queue = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
+    return get_queue()
+
+
 def select_local_device(local_rank: int) -> torch.device:
     """Bind this process to its local accelerator (torchrun LOCAL_RANK); CPU: no-op."""
     if not _on_cpu():

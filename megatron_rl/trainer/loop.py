@@ -51,6 +51,8 @@ def train(cfg: RLConfig, *, resume_command: str | None = None) -> TrainResult:
     run is interrupted (default: `megatron-rl train <output_dir>/config.yaml trainer.resume=auto`)."""
     output_dir = Path(cfg.trainer.output_dir)
     run_dir.check_output_dir(output_dir)  # before anything slow
+    platform.bridge_cpu()  # (a no-op on CUDA) before Megatron's checkpoint writer is imported
+    checkpoint.start_checkpoint_writer()  # before the handlers: a group signal must not kill the writer's helper
     with StopSignals(resume_command or run_dir.resume_command(cfg, None)) as stop:
         model_dir = prepare_model_dir(cfg)
         hf = read_hf_config(model_dir)
@@ -130,6 +132,8 @@ def _setup_and_loop(
             first_step=plan.first_logged_step,
             wandb_id=plan.identity.run_id,
         )
+        if plan.resume_from is not None and state.get("metrics_row") is not None:
+            log.restore_row(state["step"], state["metrics_row"])
 
     memory = ColocatedMemory(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
@@ -155,7 +159,9 @@ def _setup_and_loop(
         if log is not None:
             log.log(0, evaluate(cfg, engine, data, tokenizer))  # the starting point of the curve
 
-    def save(step: int) -> float:
+    def save(step: int, row: dict[str, float] | None) -> float:
+        """Checkpoint `step`; its metrics row goes into the checkpoint, so a crash between publishing the checkpoint
+        and writing the row to metrics.jsonl loses nothing (the resumed run restores the row)."""
         memory.for_training(keep_engine_weights=True)
         t = time.perf_counter()
         with stop.writing(f"checkpoint of step {step}"):
@@ -163,7 +169,7 @@ def _setup_and_loop(
                 actor,
                 ckpt_root,
                 step,
-                {"step": step, "sft_done": True, "data": data.state_dict()},
+                {"step": step, "sft_done": True, "data": data.state_dict(), "metrics_row": row},
                 keep_last=cfg.trainer.keep_last or 10**9,
                 run_id=plan.identity.run_id,
             )
@@ -181,14 +187,14 @@ def _setup_and_loop(
                 metrics.update(evaluate(cfg, engine, data, tokenizer))
         saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
         if saved:
-            metrics["time/checkpoint"] = save(step)
+            metrics["time/checkpoint"] = save(step, metrics if rank0 else None)
         if log is not None:
             log.log(step, metrics)
         stopped_by = stop.agreed() if step < cfg.trainer.steps else None  # collective: every rank stops together
         if stopped_by is not None:
             save_now = cfg.trainer.save_on_interrupt and not saved
             if save_now:
-                save(step)
+                save(step, None)  # the row is in metrics.jsonl already
             if rank0:
                 print(stop.stopped_message(step, saved_now=save_now), flush=True)
             break

@@ -99,6 +99,22 @@ class RunLog:
         return SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=first_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(step, metrics)
+        if self._first_step is None:
+            self._first_step, self._start = step, time.monotonic()
+        if step % self.cfg.log_every == 0 or step == self.total_steps:
+            print(self.format_line(step, metrics), flush=True)
+
+    def restore_row(self, step: int, metrics: dict[str, float]) -> bool:
+        """Log `step`'s row kept in its checkpoint when metrics.jsonl lacks it (the run died between publishing the
+        checkpoint and writing the row); a resumed run starts after that step, so it would never be written again.
+        Returns whether the row was missing."""
+        if any(r["step"] == step for r in self.history):
+            return False
+        self._write(step, metrics)
+        return True
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
@@ -108,10 +124,6 @@ class RunLog:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
-        if self._first_step is None:
-            self._first_step, self._start = step, time.monotonic()
-        if step % self.cfg.log_every == 0 or step == self.total_steps:
-            print(self.format_line(step, metrics), flush=True)
 
     def format_line(self, step: int, m: dict[str, float]) -> str:
         done = step - (self._first_step or step) + 1

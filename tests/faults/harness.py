@@ -179,8 +179,13 @@ def compare_checkpoints(got: Path, expected: Path) -> Comparison:
     different += sorted(set(a) - set(b))
 
     def state(path: Path) -> dict:
+        """The trainer state without what differs between two runs of the same training: the run id and the wall
+        times in the step's metrics row (its training metrics must be equal)."""
         saved = json.loads((path / "trainer_state.json").read_text())
-        return {k: v for k, v in saved.items() if k != "run_id"}
+        trainer = dict(saved["trainer"])
+        if trainer.get("metrics_row"):
+            trainer["metrics_row"] = comparable([trainer["metrics_row"]])[0]
+        return {**{k: v for k, v in saved.items() if k != "run_id"}, "trainer": trainer}
 
     if state(got) != state(expected):
         different.append("trainer_state.json")
