@@ -15,8 +15,6 @@ from typing import Any
 
 _STEP_DIR = re.compile(r"^step_\d{9}$")
 METADATA = ".metadata"  # torch DCP's index of the .distcp files
-# Written by Megatron's dist_checkpointing next to the torch DCP files; load reads both.
-MEGATRON_FILES = ("metadata.json", "common.pt")
 
 
 class DamagedCheckpointError(ValueError):
@@ -53,8 +51,11 @@ def check_checkpoint_files(checkpoint: Path, megatron_subdir: str = "megatron") 
 
     Cheap (file sizes only): a file of the right size with wrong bytes inside is found only when it is read.
     """
+    from megatron_rl.megatron_backend import platform
+
     megatron_dir = checkpoint / megatron_subdir
-    for name in (METADATA, *MEGATRON_FILES):
+    # Written by Megatron's dist_checkpointing next to the torch DCP files (which ones depends on its version).
+    for name in (METADATA, "metadata.json", *filter(None, [platform.dist_checkpoint_common_file()])):
         if not (megatron_dir / name).is_file():
             raise damaged(checkpoint, f"{megatron_subdir}/{name} is missing")
     try:

@@ -46,6 +46,7 @@ import os
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,25 @@ def check_megatron_version() -> str:
     return version
 
 
+# Warnings Megatron-Core emits on every start where nothing is wrong: the optional GPU extras are absent (CPU, or a
+# GPU install without apex: the torch fallbacks are what we use), a TransformerConfig default it deprecates itself,
+# and torch's deprecation of the collective names Megatron calls. Anything else still shows.
+# (category, message regex, module regex of the code that warns)
+KNOWN_BACKEND_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (UserWarning, r"Transformer Engine and Apex are not installed", r"megatron\."),
+    (UserWarning, r"Apex is not installed", r"megatron\."),
+    (UserWarning, r"full scope is deprecated", r"megatron\."),
+    # the optimizer's zero_grad reads .grad of its fp32 shard views (harmless: it only sets them to None)
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\.core\.optimizer"),
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r""),
+)
+
+
+def _filter_known_backend_warnings() -> None:
+    for category, message, module in KNOWN_BACKEND_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def prepare_megatron_import() -> None:
     """Make `import megatron.core` possible; call before the first megatron import.
 
@@ -113,6 +133,7 @@ def prepare_megatron_import() -> None:
     exposes the module's names; its kernels are None, so the paged-stash feature fails
     loudly if anything tries to use it. Idempotent.
     """
+    _filter_known_backend_warnings()
     version = check_megatron_version()
     if not version.startswith("0.19."):
         return
@@ -689,6 +710,12 @@ def transformer_engine_available() -> bool:
             except Exception:  # noqa: BLE001 - a broken TE build is "not available", whatever it raises
                 _TE_AVAILABLE = False
     return _TE_AVAILABLE
+
+
+def dist_checkpoint_common_file() -> str | None:
+    """The file a Megatron dist checkpoint keeps its non-tensor state in, next to torch DCP's files: "common.pt"
+    in 0.16.x; None in 0.19.x, where torch DCP holds that state itself (save_common/load_common are deprecated)."""
+    return None if check_megatron_version().startswith("0.19.") else "common.pt"
 
 
 def checkpoint_writer_results_queue() -> Any:
