@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config (see examples/); omit with --help-config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.preset=sapo rollout.n_samples=4")
     parser.add_argument("--help-config", action="store_true", help="print every config key with help and exit")
+    parser.add_argument(
+        "--verbose", action="store_true", help="print the whole resolved config at start-up (else a short header)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.trainer.stop_signals import TrainingAborted
 
     try:
-        result = train(cfg, resume_command=resume_command(cfg, args.config, args.overrides))
+        result = train(cfg, resume_command=resume_command(cfg, args.config, args.overrides), verbose=args.verbose)
     except TrainingAborted as aborted:  # a signal outside a step boundary: one line, no traceback
         print(aborted, file=sys.stderr, flush=True)
         return aborted.exit_code

@@ -33,7 +33,7 @@ from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss, sft_loss
-from megatron_rl.trainer.run_log import RunLog
+from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.stop_signals import StopSignals
 
 
@@ -46,9 +46,10 @@ class TrainResult:
     already_complete: bool = False  # nothing was done: the run had reached trainer.steps
 
 
-def train(cfg: RLConfig, *, resume_command: str | None = None) -> TrainResult:
+def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = False) -> TrainResult:
     """Run (or continue) the run in `trainer.output_dir`. `resume_command` is the command line shown when the
-    run is interrupted (default: `megatron-rl train <output_dir>/config.yaml trainer.resume=auto`)."""
+    run is interrupted (default: `megatron-rl train <output_dir>/config.yaml trainer.resume=auto`); `verbose`
+    prints the whole resolved config at start-up instead of a short header."""
     output_dir = Path(cfg.trainer.output_dir)
     run_dir.check_output_dir(output_dir)  # before anything slow
     platform.bridge_cpu()  # (a no-op on CUDA) before Megatron's checkpoint writer is imported
@@ -80,7 +81,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None) -> TrainResult:
                 run_dir.start_run(plan)
             dist.barrier()
             stop.last_checkpoint = plan.start_step if plan.resume_from is not None else None
-            return _setup_and_loop(cfg, plan, model_dir, dims, stop, engines)
+            return _setup_and_loop(cfg, plan, model_dir, dims, stop, engines, verbose)
         finally:
             for engine in engines:
                 engine.shutdown()
@@ -95,7 +96,7 @@ def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:
 
 
 def _setup_and_loop(
-    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims, stop: StopSignals, engines: list
+    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims, stop: StopSignals, engines: list, verbose: bool
 ) -> TrainResult:
     output_dir = plan.output_dir
     rank0 = dist.get_rank() == 0
@@ -119,9 +120,7 @@ def _setup_and_loop(
         data.load_state_dict(state["data"])
     if rank0:
         dump_yaml(cfg, output_dir / "config.yaml")
-        print(format_config(cfg), flush=True)
-        if plan.resume_from is not None:
-            print(f"resumed from {plan.resume_from} at step {state['step']}", flush=True)
+        print(format_config(cfg) if verbose else run_header(cfg, dims, plan.resume_from, state["step"]), flush=True)
     log = None
     if rank0:
         log = RunLog(

@@ -64,10 +64,10 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
             kl = kl_penalty(log_probs, mb.fields["ref_log_probs"].to(device), algo.kl_estimator, response_mask=mask)
             kl_loss = aggregate(kl, mask, algo.agg, norm=algo.agg_norm)
             loss = loss + algo.kl_coef * kl_loss
-            out["actor/kl_ref"] = float(kl_loss)
+            out["actor/kl_ref"] = float(kl_loss.detach())
         if entropy is not None:
             ent = aggregate(entropy, mask, algo.agg, norm=algo.agg_norm)
-            out["actor/entropy"] = float(ent)
+            out["actor/entropy"] = float(ent.detach())
             if algo.entropy_coef:
                 loss = loss - algo.entropy_coef * ent
         return _as_sum(loss, mask, algo.agg, real_rows=mb.size - mb.padding_rows), out
@@ -133,4 +133,4 @@ def sft_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBat
     mask = mb.response_mask().to(log_probs.device).float()
     count = mask.sum().to(torch.int)
     nll = -(log_probs * mask).sum()
-    return nll, count, {"sft/nll": float(nll / count.clamp(min=1))}
+    return nll, count, {"sft/nll": float(nll.detach() / count.clamp(min=1))}

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config.schema import LoggingConfig
+from megatron_rl.config.schema import LoggingConfig, RLConfig
+from megatron_rl.megatron_backend.models.family import ModelDims
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,27 @@ def restore_history(path: Path, first_step: int) -> list[dict[str, float]]:
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
     return kept
+
+
+def run_header(cfg: RLConfig, dims: ModelDims, resumed_from: Path | None, start_step: int) -> str:
+    """What a run is, in a few lines (printed at start-up; the full resolved config is in output_dir/config.yaml)."""
+    a, r, p, t = cfg.algo, cfg.rollout, cfg.parallel, cfg.trainer
+    moe = f"{len(dims.moe_layers)} MoE layers x {dims.num_experts} experts, top-{dims.top_k}"
+    kl = f", KL {a.kl_estimator} x {a.kl_coef:g}" if a.kl_coef > 0 else ""
+    layout = " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "pp", "ep", "cp") if getattr(p, k, 1) != 1) or "1 process"
+    where = f"resumed from {resumed_from} at step {start_step}" if resumed_from is not None else "new run"
+    return "\n".join(
+        [
+            f"megatron-rl train: {a.preset if a.preset != 'none' else a.loss} | {t.steps} steps | {where}",
+            f"  model   {cfg.model.hf_path} ({dims.model_type}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
+            f"{moe})",
+            f"  algo    loss {a.loss}, agg {a.agg}, clip {a.clip_low:g}/{a.clip_high:g}, advantage {a.advantage}{kl}, "
+            f"routing replay {a.routing_replay}",
+            f"  rollout {r.engine} engine, {r.prompts_per_step} prompts x {r.n_samples} samples, "
+            f"{r.sampling.max_new_tokens} new tokens; layout {layout}",
+            f"  output  {t.output_dir} (full config: config.yaml; --verbose prints it)",
+        ]
+    )
 
 
 class RunLog:
