@@ -47,6 +47,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist>=3.5",  # the suite runs on two workers (pyproject.toml addopts)
             "ruff>=0.6",
             "triton==3.7.1; platform_machine == 'x86_64'",
             "pyarrow>=15",

@@ -28,7 +28,8 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.
 print("megatron-core", m.version("megatron-core"), "transformer_engine", is_available("transformer_engine.pytorch"))
 PY
 } 2>&1 | tee "$OUT/environment.txt"
-python3 -m pytest -q -p no:cacheprovider \
+# -o addopts=: one process on the one GPU, and no need for pytest-xdist there.
+python3 -m pytest -q -p no:cacheprovider -o addopts= \
     tests/actor/test_logprobs_cli.py::test_logprobs_match_transformers \
     tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
     tests/actor/test_layouts.py::test_single_process_invariants \

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-# One intra-op thread per test process (subprocesses inherit it; torchrun ranks get it from the harness): the tiny
-# models' ops take microseconds, where a second OpenMP thread costs more than it saves and stalls for milliseconds
-# whenever the other core is busy (a torchrun rank, a server, another test's subprocess).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
 if not torch.cuda.is_available():
     # Triton kernels run under Triton's interpreter on CPU. Triton reads this when it is first imported, and
     # other tests (transformers models, Megatron) may import it before tests/kernels runs, so set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
+
+# One intra-op thread per test process (subprocesses inherit it; torchrun ranks get it from the harness): the tiny
+# models' ops take microseconds, where a second OpenMP thread costs more than it saves and stalls for milliseconds
+# whenever the other core is busy (a torchrun rank, a server, another test's subprocess).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # 4 layers with one dense layer (so PP=2 x VPP=2 has one layer per chunk), untied embeddings.
 MIXED_SPEC = TinyQwen3MoeSpec(num_hidden_layers=4, mlp_only_layers=(1,), vocab_size=128)

@@ -32,16 +32,20 @@ def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
     return code, lines[-1] if lines else err
 
 
+def _train(out: Path, model: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`megatron-rl train` of the tiny MoE into `out`: a step is two prompts x two samples, a checkpoint each step."""
+    args = [f"trainer.output_dir={out}", f"model.hf_path={model}", "trainer.save_every=1", "warmup.sft_steps=0",
+            "data.eval=null", "data.eval_every=0", "rollout.prompts_per_step=2", "rollout.n_samples=2",
+            "algo.mini_batches_per_step=1", "logging.wandb=false", "logging.plot=false", *overrides]  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), *args],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def run_dir(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real one-step training run of the tiny MoE that saved a checkpoint (model + optimizer + RNG)."""
     out = tmp_path_factory.mktemp("bad_inputs") / "run"
-    overrides = [f"trainer.output_dir={out}", f"model.hf_path={tiny_moe_dir}", "trainer.steps=1",
-                 "trainer.save_every=1", "warmup.sft_steps=0", "data.eval=null", "data.eval_every=0",
-                 "rollout.prompts_per_step=2", "rollout.n_samples=2", "algo.mini_batches_per_step=1",
-                 "logging.wandb=false", "logging.plot=false"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), *overrides],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = _train(out, tiny_moe_dir, "trainer.steps=1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (out / "checkpoints" / STEP / "COMPLETE").is_file()
     return out
@@ -87,6 +91,19 @@ def test_deleted_distcp_file_is_named_with_the_older_checkpoint(
         f"megatron/.metadata); resume from an older checkpoint (trainer.resume={ckpts / 'step_000000000'}) or "
         "re-save it"
     )
+
+
+def test_resume_names_a_damaged_checkpoint_before_the_model_is_built(run_copy: Path, tiny_moe_dir: Path) -> None:
+    damaged = run_copy / "checkpoints" / STEP
+    file = _distcp(damaged)
+    file.unlink()
+    proc = _train(run_copy, tiny_moe_dir, "trainer.steps=2")  # resume=auto: continue the one-step run
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"megatron-rl train: error: checkpoint {damaged} is damaged: megatron/{file.name} is missing (listed in "
+        "megatron/.metadata); re-save it (no older complete checkpoint is next to it to resume from)"
+    )
+    assert "megatron-rl train: gspo" not in proc.stdout  # the run header is printed once the model is built
 
 
 @pytest.mark.parametrize("command", ["logprobs", "convert"])

@@ -186,11 +186,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def read_trainer_state(path: str | Path) -> dict:
     """A checkpoint's trainer_state.json: step, run_id, the trainer's own state (cheap: no tensors)."""
-    file = Path(path) / "trainer_state.json"
-    try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {file}: {err}") from err
+    return read_checkpoint_json(Path(path), "trainer_state.json")
 
 
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
