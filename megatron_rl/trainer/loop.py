@@ -21,6 +21,7 @@ from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
@@ -90,7 +91,10 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
 
 def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:
     try:
-        return run_dir.plan_run(cfg)
+        plan = run_dir.plan_run(cfg)
+        if plan.resume_from is not None and not plan.complete:  # a damaged checkpoint is named before the build
+            check_checkpoint_files(plan.resume_from)
+        return plan
     except ValueError as err:  # reported by every rank alike
         return err
 

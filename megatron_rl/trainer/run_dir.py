@@ -21,7 +21,6 @@ from typing import Any
 from megatron_rl.config import to_dict
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import checkpoint
-from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 
 RUN_FILE = "run.json"
 # Dotted config keys (and the keys under them) that may change between the starts of one run: its length and
@@ -275,8 +274,6 @@ def _plan_from(
             resume_from = scan.latest
             if resume_from is None:
                 notes.append(f"{out}: no checkpoint yet, starting over from step 0")
-    if resume_from is not None:  # a damaged checkpoint is named now, before the model is built
-        check_checkpoint_files(resume_from)
     start = int(checkpoint.read_trainer_state(resume_from)["step"]) if resume_from is not None else 0
     return RunPlan(
         output_dir=out,
