@@ -69,6 +69,14 @@ def _distcp(checkpoint: Path) -> Path:
     return sorted((checkpoint / "megatron").glob("*.distcp"))[-1]
 
 
+def _load_argv(command: str, checkpoint: Path, samples_file: Path, tmp_path: Path) -> list[str]:
+    """The arguments of a command that loads `checkpoint`: `logprobs --checkpoint` or `convert megatron-to-hf`."""
+    if command == "logprobs":
+        inputs = ["--input", str(samples_file), "--output", str(tmp_path / "o")]
+        return ["logprobs", "--checkpoint", str(checkpoint), *inputs]
+    return ["convert", "megatron-to-hf", str(checkpoint), str(tmp_path / "hf")]
+
+
 # ---------------------------------------------------------------------------------------------- dist checkpoints
 @pytest.mark.parametrize("command", ["logprobs", "convert"])
 def test_deleted_distcp_file_is_named_with_the_older_checkpoint(
@@ -79,12 +87,7 @@ def test_deleted_distcp_file_is_named_with_the_older_checkpoint(
     damaged = ckpts / STEP
     file = _distcp(damaged)
     file.unlink()
-    argv = (
-        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
-        if command == "logprobs"
-        else ["convert", "megatron-to-hf", str(damaged), str(tmp_path / "hf")]
-    )
-    code, line = _cli(capsys, *argv)
+    code, line = _cli(capsys, *_load_argv(command, damaged, samples_file, tmp_path))
     assert code == 2
     assert line == (
         f"megatron-rl {command}: error: checkpoint {damaged} is damaged: megatron/{file.name} is missing (listed in "
@@ -113,12 +116,9 @@ def test_truncated_distcp_file_is_named(command: str, run_copy: Path, samples_fi
     needed = expected_file_sizes(damaged / "megatron")[file.name]
     with file.open("r+b") as f:
         f.truncate(needed // 2)
-    argv = (
-        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
-        if command == "logprobs"
-        else ["convert", "megatron-to-hf", str(run_copy / "checkpoints"), str(tmp_path / "hf")]
-    )
-    code, line = _cli(capsys, *argv)
+    # convert is given the checkpoints folder: the damaged checkpoint is found as its latest
+    source = damaged if command == "logprobs" else run_copy / "checkpoints"
+    code, line = _cli(capsys, *_load_argv(command, source, samples_file, tmp_path))
     assert code == 2
     assert line == (
         f"megatron-rl {command}: error: checkpoint {damaged} is damaged: megatron/{file.name} is truncated/corrupt "
@@ -136,12 +136,7 @@ def test_corrupt_json_state_is_named(
 ) -> None:
     damaged = run_copy / "checkpoints" / STEP
     (damaged / name).write_text('{"step": 1, ')  # cut short while being written by hand
-    argv = (
-        ["logprobs", "--checkpoint", str(damaged), "--input", str(samples_file), "--output", str(tmp_path / "o")]
-        if command == "logprobs"
-        else ["convert", "megatron-to-hf", str(damaged), str(tmp_path / "hf")]
-    )
-    code, line = _cli(capsys, *argv)
+    code, line = _cli(capsys, *_load_argv(command, damaged, samples_file, tmp_path))
     assert code == 2
     assert line == (
         f"megatron-rl {command}: error: checkpoint {damaged} is damaged: {name} is not valid JSON (Expecting "
