@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.megatron_backend.actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.models import get_family
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 

@@ -1,9 +1,9 @@
 """The configuration tree of a training run: one frozen dataclass per section, every field with help text.
 
     RLConfig
-      model      ModelConfig      (options: megatron_backend.model_builder.ModelOptions)
+      model      ModelConfig      (options: megatron_backend.options.ModelOptions)
       parallel   ParallelLayout   (megatron_backend.parallel_layout)
-      optimizer  OptimizerOptions (megatron_backend.actor)
+      optimizer  OptimizerOptions (megatron_backend.options)
       algo       AlgoConfig
       rollout    RolloutConfig    (sampling: rollout.engine.SamplingParams, sglang: SGLangConfig)
       data       DataConfig
@@ -24,8 +24,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from megatron_rl.megatron_backend.actor import OptimizerOptions
-from megatron_rl.megatron_backend.model_builder import ModelOptions
+from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.rollout.engine import SamplingParams
 

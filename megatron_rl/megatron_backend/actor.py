@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -28,32 +28,16 @@ from torch import nn
 from megatron_rl.kernels import token_logprobs_and_entropy
 from megatron_rl.megatron_backend import hf_weights, platform
 from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
-from megatron_rl.megatron_backend.model_builder import ModelOptions, build_model
+from megatron_rl.megatron_backend.model_builder import build_model
 from megatron_rl.megatron_backend.models.family import HFConfig, get_family
 from megatron_rl.megatron_backend.offload import StorageOffload, TransferStats
+from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.routes import MoERouters
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
-
-
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """Megatron optimizer and LR schedule."""
-
-    lr: float = field(default=1e-5, metadata={"help": "peak learning rate"})
-    min_lr: float = field(default=0.0, metadata={"help": "final learning rate of the decay"})
-    lr_schedule: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "LR decay"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
-    total_steps: int = field(default=1000, metadata={"help": "optimizer steps over which the LR decays"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1"})
-    adam_beta2: float = field(default=0.999, metadata={"help": "Adam beta2"})
-    adam_eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
-    clip_grad: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0 = off)"})
-    distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state over DP ranks"})
 
 
 class NonFiniteError(ValueError):

@@ -8,51 +8,20 @@ The Transformer Engine layer spec is used when TE imports and the platform is CU
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
+from megatron_rl.megatron_backend.options import ModelOptions
 from megatron_rl.routing.compat import refuse_unsafe_replay_options
 
 if TYPE_CHECKING:
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
 VOCAB_DIVISIBLE_BY = 128
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """How to build the model, independent of its architecture."""
-
-    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"help": "parameter and compute dtype"})
-    layer_spec: Literal["auto", "local", "te"] = field(
-        default="auto", metadata={"help": "'te' = Transformer Engine layers (GPU); 'local' = pure Megatron-Core"}
-    )
-    recompute: Literal["none", "full", "selective"] = field(
-        default="none", metadata={"help": "activation recompute granularity"}
-    )
-    routing_replay: bool = field(
-        default=True,
-        metadata={
-            "help": "build routers with Megatron's RouterReplay: needed to record or replay routes (R2/R3); "
-            "routing is unchanged while no replay action is set"
-        },
-    )
-    dispatcher: Literal["alltoall", "allgather"] = field(default="alltoall", metadata={"help": "MoE token dispatcher"})
-    aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
-    logprob_impl: Literal["auto", "torch", "chunked", "triton"] = field(
-        default="chunked",
-        metadata={
-            "help": "token log-prob/entropy kernel over vocab-parallel logits: chunked (memory-bounded torch, "
-            "any device); triton = fused Triton kernels (GPU); auto = triton on GPU, chunked on CPU; torch = the "
-            "unchunked reference"
-        },
-    )
-    seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:

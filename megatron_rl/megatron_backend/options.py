@@ -1,0 +1,57 @@
+"""The option types of the Megatron backend: how the model is built and how it is optimised.
+
+Plain dataclasses (no Megatron import), so the config schema can hold them without building anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build the model, independent of its architecture."""
+
+    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"help": "parameter and compute dtype"})
+    layer_spec: Literal["auto", "local", "te"] = field(
+        default="auto", metadata={"help": "'te' = Transformer Engine layers (GPU); 'local' = pure Megatron-Core"}
+    )
+    recompute: Literal["none", "full", "selective"] = field(
+        default="none", metadata={"help": "activation recompute granularity"}
+    )
+    routing_replay: bool = field(
+        default=True,
+        metadata={
+            "help": "build routers with Megatron's RouterReplay: needed to record or replay routes (R2/R3); "
+            "routing is unchanged while no replay action is set"
+        },
+    )
+    dispatcher: Literal["alltoall", "allgather"] = field(default="alltoall", metadata={"help": "MoE token dispatcher"})
+    aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
+    logprob_impl: Literal["auto", "torch", "chunked", "triton"] = field(
+        default="chunked",
+        metadata={
+            "help": "token log-prob/entropy kernel over vocab-parallel logits: chunked (memory-bounded torch, "
+            "any device); triton = fused Triton kernels (GPU); auto = triton on GPU, chunked on CPU; torch = the "
+            "unchunked reference"
+        },
+    )
+    seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Megatron optimizer and LR schedule."""
+
+    lr: float = field(default=1e-5, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=0.0, metadata={"help": "final learning rate of the decay"})
+    lr_schedule: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "LR decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    total_steps: int = field(default=1000, metadata={"help": "optimizer steps over which the LR decays"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Adam beta2"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
+    clip_grad: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0 = off)"})
+    distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state over DP ranks"})
