@@ -19,15 +19,16 @@ CI runs Megatron-Core on CPU with gloo. Megatron assumes CUDA in a few dozen pla
 
 Each bridge sits where the CUDA assumption is made, and none is a process-wide hook: there is
 no torch-function mode, so a forward, a backward or a `transformers` generate call in the
-same process pays nothing for the bridges (an earlier TorchFunctionMode entered for the whole
-process cost ~0.36 s of a 0.54 s demo step). A Megatron path that calls `Tensor.cuda()` or
+same process pays nothing for the bridges (a TorchFunctionMode entered for the whole process
+would cost ~0.36 s of a 0.54 s demo step). A Megatron path that calls `Tensor.cuda()` or
 names CUDA outside those modules fails loudly ("Torch not compiled with CUDA enabled")
 instead of being rewritten silently: bridge it here, where it is made.
 
 Every bridge records the Megatron call sites that reach it in a ledger (`cuda_hits()`): the
 regression detector for Megatron upgrades, since a new entry means a new CUDA assumption on
-the path a test exercised. Background, with file and line for each assumption:
-/work/shared/reference/megatron-on-cpu.md, Appendix A.
+the path a test exercised. The bridges patch private Megatron names, so an untested
+megatron-core release is refused where they apply (CPU) and only warned about on CUDA,
+where nothing is patched (`check_megatron_version`).
 
 Nothing else in the package should call `torch.cuda.is_available()`; ask `device()` and
 `dist_backend()` here. Usage, in this order::
@@ -88,20 +89,37 @@ def installed_megatron_version() -> str:
         ) from exc
 
 
-def check_megatron_version() -> str:
-    """Return the installed megatron-core version, or raise if it was never checked here.
+def check_megatron_version(version: str | None = None, device_type: str | None = None) -> str:
+    """Return the megatron-core version; refuse an untested release where the CPU bridges apply.
 
-    The CPU bridges patch private Megatron functions whose names and line numbers move
-    between releases, so an untested release is refused instead of patched blindly.
+    The CPU bridges patch private Megatron functions whose names move between releases, so on
+    ``device_type="cpu"`` an untested release raises instead of being patched blindly. On
+    ``"cuda"`` nothing is patched: an untested release gets a warning and the run goes on.
+
+    Args:
+        version: the version to check (default: the installed one).
+        device_type: "cpu" or "cuda" (default: this process's platform, see `device()`).
     """
-    version = installed_megatron_version()
-    if not version.startswith(SUPPORTED_MCORE):
+    version = installed_megatron_version() if version is None else version
+    if version.startswith(SUPPORTED_MCORE):
+        return version
+    if device_type is None:
+        device_type = "cpu" if _on_cpu() else "cuda"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    tested = ", ".join(p + "x" for p in SUPPORTED_MCORE)
+    if device_type == "cpu":
         raise RuntimeError(
-            f"megatron-core {version} is installed, but megatron_rl supports only "
-            f"{', '.join(p + 'x' for p in SUPPORTED_MCORE)}. Add the new release to "
-            "megatron_rl/megatron_backend/platform.py only after re-checking its CUDA "
+            f"megatron-core {version} is installed, but the CPU bridges of megatron_rl support only {tested}. "
+            "Add the new release to megatron_rl/megatron_backend/platform.py only after re-checking its CUDA "
             "assumptions (see cuda_hits())."
         )
+    warnings.warn(
+        f"megatron-core {version} is untested with megatron_rl (tested: {tested}); nothing is patched on CUDA, "
+        "so the run goes on",
+        UserWarning,
+        stacklevel=2,
+    )
     return version
 
 
@@ -124,27 +142,28 @@ def _filter_known_backend_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
-def prepare_megatron_import() -> None:
-    """Make `import megatron.core` possible; call before the first megatron import.
+def prepare_megatron_import(device_type: str | None = None) -> str:
+    """Make `import megatron.core` possible; call before the first megatron import. Returns the version.
 
     megatron-core 0.19.x imports triton unconditionally (transformer/moe/ops/paged_stash.py,
     reached from megatron.core.__init__ through the pipeline schedules). Triton is ~1 GB and
     useless on CPU, so when it is absent a stub of that one module is registered. The stub
     exposes the module's names; its kernels are None, so the paged-stash feature fails
-    loudly if anything tries to use it. Idempotent.
+    loudly if anything tries to use it. Idempotent. `device_type` as in `check_megatron_version`.
     """
     _filter_known_backend_warnings()
-    version = check_megatron_version()
+    version = check_megatron_version(device_type=device_type)
     if not version.startswith("0.19."):
-        return
+        return version
     if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
+        return version
     stub = types.ModuleType(_PAGED_STASH_OPS)
     stub.__doc__ = "megatron_rl stub: triton is not installed (CPU); paged stash is unavailable."
     stub.GLOBAL_BLOCK_SIZE = 1024
     stub.paged_stash_copy_kernel = None
     stub.paged_stash_pop_kernel = None
     sys.modules[_PAGED_STASH_OPS] = stub
+    return version
 
 
 # --------------------------------------------------------------------------------------
@@ -309,7 +328,7 @@ def _cpu_manual_seed(seed: int) -> None:
 
 
 def _cuda_replacements() -> dict[str, Any]:
-    """torch.cuda attribute -> CPU stand-in (Appendix A of the reference)."""
+    """torch.cuda attribute -> CPU stand-in."""
     cpu = torch.device("cpu")
     return {
         "current_device": lambda: cpu,
@@ -645,10 +664,9 @@ def bridge_cpu(enable: bool | None = None) -> PlatformInfo:
             if enable is True and not _INFO.bridges:
                 raise RuntimeError("this process already decided to run without the CPU bridges")
             return _INFO
-        prepare_megatron_import()
-        version = check_megatron_version()
         if enable is None:
             enable = not torch.cuda.is_available()
+        version = prepare_megatron_import(device_type="cpu" if enable else "cuda")
         if not enable:
             on_cuda = torch.cuda.is_available()
             _INFO = PlatformInfo(

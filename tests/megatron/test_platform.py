@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,29 @@ def test_version_guard_rejects_untested_release(monkeypatch: pytest.MonkeyPatch)
     assert "0.17.0" in message and "0.16.x" in message and "0.19.x" in message
     with pytest.raises(RuntimeError, match="0.17.0"):
         platform.prepare_megatron_import()
+
+
+def test_version_guard_refuses_untested_release_only_where_bridges_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RuntimeError, match="0.17.0"):
+        platform.check_megatron_version("0.17.0", device_type="cpu")
+    # On CUDA nothing is patched: the untested release is named in a warning and accepted.
+    with pytest.warns(UserWarning, match=r"megatron-core 0\.17\.0 is untested .*tested: 0\.16\.x, 0\.19\.x"):
+        assert platform.check_megatron_version("0.17.0", device_type="cuda") == "0.17.0"
+    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.20.0")
+    with pytest.warns(UserWarning, match="0.20.0"):
+        assert platform.prepare_megatron_import(device_type="cuda") == "0.20.0"
+    with pytest.raises(RuntimeError, match="0.20.0"):
+        platform.prepare_megatron_import(device_type="cpu")
+    with pytest.raises(ValueError, match="device_type"):
+        platform.check_megatron_version("0.17.0", device_type="mps")
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_version_guard_is_silent_for_supported_releases(device_type: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert platform.check_megatron_version("0.19.2", device_type=device_type) == "0.19.2"
+        assert platform.check_megatron_version("0.16.1", device_type=device_type) == "0.16.1"
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
