@@ -16,6 +16,7 @@ from typing import Any
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import RLConfig
+from megatron_rl.kernels import packed_gspo_applies
 
 # Engines that can return the experts each token was routed to (needed by R3).
 ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")
@@ -101,9 +102,7 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(
             f"algo.clip_c (dual clip) applies to algo.loss='ppo' only, not {algo.loss!r}; set algo.clip_c=null"
         )
-    if algo.gspo_kernel in ("torch", "triton") and (
-        algo.loss not in ("gspo", "gspo_token") or algo.agg != "seq-mean-token-mean"
-    ):
+    if algo.gspo_kernel in ("torch", "triton") and not packed_gspo_applies(algo.loss, algo.agg):
         errors.append(
             f"algo.gspo_kernel={algo.gspo_kernel!r} computes loss=gspo/gspo_token with agg='seq-mean-token-mean' "
             f"only, not loss={algo.loss!r} with agg={algo.agg!r}; set algo.gspo_kernel=auto or reference"

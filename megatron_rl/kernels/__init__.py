@@ -7,9 +7,9 @@
 * ``"chunked"``: torch, a chunk of rows at a time, one all-gather (``chunked_logprob``); the CPU default;
 * ``"triton"``: fused Triton kernels, one all-gather (``triton_logprob``); the CUDA default.
 
-``impl="auto"`` picks ``"triton"`` for CUDA logits when triton imports, ``"chunked"`` otherwise. This is the one
-place that looks at the device. The Triton module is imported lazily: on CPU it needs ``TRITON_INTERPRET=1`` in
-the environment before that import.
+``impl="auto"`` picks ``"triton"`` where ``triton_support.triton_preferred`` says so (CUDA logits, triton
+installed), ``"chunked"`` otherwise; that rule is the one place that looks at the device, for every kernel here. The
+Triton module is imported lazily: on CPU it needs ``TRITON_INTERPRET=1`` in the environment before that import.
 """
 
 from __future__ import annotations
@@ -20,19 +20,31 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
-from megatron_rl.kernels.gspo import GSPOImpl, PackedPolicyLoss, packed_gspo_loss, resolve_gspo_impl
+from megatron_rl.kernels.gspo import (
+    GSPOImpl,
+    GSPOKernel,
+    PackedPolicyLoss,
+    packed_gspo_applies,
+    packed_gspo_loss,
+    resolve_gspo_impl,
+    select_gspo_kernel,
+)
 from megatron_rl.kernels.reference_logprob import check_logprob_args
-from megatron_rl.kernels.triton_support import check_triton_can_run, triton_available
+from megatron_rl.kernels.triton_support import check_triton_can_run, triton_available, triton_preferred
 
 __all__ = [
     "GSPOImpl",
+    "GSPOKernel",
     "Impl",
     "PackedPolicyLoss",
+    "packed_gspo_applies",
     "packed_gspo_loss",
     "resolve_gspo_impl",
     "resolve_impl",
+    "select_gspo_kernel",
     "token_logprobs_and_entropy",
     "triton_available",
+    "triton_preferred",
 ]
 
 Impl = Literal["auto", "torch", "chunked", "triton"]
@@ -44,7 +56,7 @@ def resolve_impl(impl: Impl, logits: Tensor) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "triton" if logits.is_cuda and triton_available() else "chunked"
+        return "triton" if triton_preferred(logits) else "chunked"
     return impl
 
 

@@ -16,8 +16,11 @@ the gradient per token: ``d l_t / d log pi_t = s_i * d l_t / d s``, which allows
 
 Two implementations with the same semantics: ``"torch"`` (segment sums with ``index_add_``; any device) and
 ``"triton"`` (``triton_gspo``: one program per sequence; compiled on GPU, ``TRITON_INTERPRET=1`` on CPU);
-``impl="auto"`` takes Triton for CUDA tensors when triton imports. Both compute the analytic gradient in the
+``impl="auto"`` takes Triton where ``triton_support.triton_preferred`` says so (CUDA tensors, triton installed),
+``"torch"`` otherwise. Both compute the analytic gradient in the
 forward and save only that ``[T]`` vector (and a scale); the backward multiplies it by the upstream gradient.
+The trainer (``algo.gspo_kernel``) chooses between these and ``"reference"`` (``policy_loss`` on the padded
+batch) with ``select_gspo_kernel``, by the same rule: Triton where preferred, its plain-torch path otherwise.
 Derivatives follow torch's conventions exactly so the result matches autograd through the oracle: ``clamp``
 passes the gradient on its closed interval, and ``maximum`` splits it evenly on ties (inside the clip range both
 branches are ``-A s``).
@@ -25,19 +28,29 @@ branches are ``-A s``).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from megatron_rl.algorithms.ratios import LOG_RATIO_BOUND
-from megatron_rl.kernels.triton_support import check_triton_can_run, triton_available
+from megatron_rl.kernels.triton_support import check_triton_can_run, triton_preferred
 
-__all__ = ["GSPOImpl", "PackedPolicyLoss", "packed_gspo_loss", "resolve_gspo_impl"]
+__all__ = [
+    "GSPOImpl",
+    "GSPOKernel",
+    "PackedPolicyLoss",
+    "packed_gspo_applies",
+    "packed_gspo_loss",
+    "resolve_gspo_impl",
+    "select_gspo_kernel",
+]
 
 Variant = Literal["gspo", "gspo_token"]
 GSPOImpl = Literal["auto", "torch", "triton"]
+GSPOKernel = Literal["auto", "reference", "torch", "triton"]
+"""``algo.gspo_kernel``: a packed implementation, ``"reference"`` (``policy_loss`` on the padded batch) or auto."""
 
 
 class PackedPolicyLoss(NamedTuple):
@@ -114,8 +127,27 @@ def resolve_gspo_impl(impl: GSPOImpl, log_probs: Tensor) -> str:
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
     if impl == "auto":
-        return "triton" if log_probs.is_cuda and triton_available() else "torch"
+        return "triton" if triton_preferred(log_probs) else "torch"
     return impl
+
+
+def packed_gspo_applies(loss: str, agg: str) -> bool:
+    """Whether ``packed_gspo_loss`` computes this policy loss and aggregation (GSPO, seq-mean-token-mean)."""
+    return loss in ("gspo", "gspo_token") and agg == "seq-mean-token-mean"
+
+
+def select_gspo_kernel(kernel: GSPOKernel, log_probs: Tensor, *, loss: str, agg: str) -> str:
+    """``"reference"``, ``"torch"`` or ``"triton"``: what the trainer's ``kernel`` stands for with these log-probs.
+
+    An explicit kernel is returned as given (config validation refuses a packed one where it does not apply).
+    ``"auto"`` takes the Triton kernel where it applies and ``triton_preferred`` holds; otherwise the trainer's
+    plain-torch path, ``"reference"``, which is the oracle the packed kernels are tested against.
+    """
+    if kernel not in get_args(GSPOKernel):
+        raise ValueError(f"kernel must be one of {get_args(GSPOKernel)}, got {kernel!r}")
+    if kernel != "auto":
+        return kernel
+    return "triton" if packed_gspo_applies(loss, agg) and triton_preferred(log_probs) else "reference"
 
 
 class _PackedGSPO(torch.autograd.Function):

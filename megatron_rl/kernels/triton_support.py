@@ -1,4 +1,4 @@
-"""Whether Triton can run a kernel here; the dispatchers choose Triton for CUDA tensors only when it is installed."""
+"""Whether Triton can run a kernel here, and the one rule every ``impl="auto"`` follows (`triton_preferred`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ import os
 
 from torch import Tensor
 
-__all__ = ["check_triton_can_run", "triton_available"]
+__all__ = ["check_triton_can_run", "triton_available", "triton_preferred"]
 
 
 def triton_available() -> bool:
     """Whether the ``triton`` package is installed (its kernels may still need a GPU or the interpreter)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_preferred(tensor: Tensor) -> bool:
+    """Whether ``impl="auto"`` takes Triton for ``tensor``: a CUDA tensor and triton installed. Off CUDA the
+    interpreter would run, far slower than torch, so auto falls back to the caller's plain-torch path there."""
+    return tensor.is_cuda and triton_available()
 
 
 def check_triton_can_run(tensor: Tensor, what: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
-from megatron_rl.kernels import packed_gspo_loss, triton_available
+from megatron_rl.kernels import packed_gspo_loss, select_gspo_kernel
 from megatron_rl.megatron_backend.batch import TokenBatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
@@ -81,10 +81,7 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
 
 def gspo_kernel(algo: AlgoConfig, log_probs: torch.Tensor) -> str:
     """``reference``, ``torch`` or ``triton``: the implementation ``algo.gspo_kernel`` stands for here."""
-    packed_loss = algo.loss in ("gspo", "gspo_token") and algo.agg == "seq-mean-token-mean"
-    if algo.gspo_kernel != "auto":
-        return algo.gspo_kernel
-    return "triton" if packed_loss and log_probs.is_cuda and triton_available() else "reference"
+    return select_gspo_kernel(algo.gspo_kernel, log_probs, loss=algo.loss, agg=algo.agg)
 
 
 def _packed_gspo(algo: AlgoConfig, kernel: str, log_probs, old, adv, mask, weights):
