@@ -1,10 +1,9 @@
 """The reference policy: the actor's architecture and parallel layout with frozen initial weights.
 
-Default (`ReferenceWeights`): this rank's shard of the reference weights lives in host memory
+`ReferenceWeights`: this rank's shard of the reference weights lives in host memory
 (pinned on GPU machines) and is swapped into the actor's own model for the reference pass, then the
 actor's weights are swapped back — no second model on the device, cost = one copy of the rank's
-parameters on the host plus two device<->host copies per reference pass. The alternative is a
-second `MegatronActor` built without an optimizer (`separate_reference_model`).
+parameters on the host plus two device<->host copies per reference pass.
 """
 
 from __future__ import annotations
@@ -58,13 +57,6 @@ def reference_from_hf(actor: MegatronActor, model_dir: str | Path) -> ReferenceW
     if actor.optimizer is not None:
         actor._reload_main_params()
     return reference
-
-
-def separate_reference_model(actor: MegatronActor, model_dir: str | Path) -> MegatronActor:
-    """A second model (same layout, no optimizer) holding the reference weights on the device."""
-    return MegatronActor.from_hf(
-        model_dir, actor.layout, model_options=actor.model_options, micro_batch_tokens=actor.micro_batch_tokens
-    )
 
 
 def _host_copy(param: torch.Tensor, pin: bool) -> torch.Tensor:
