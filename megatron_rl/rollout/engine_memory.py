@@ -1,6 +1,6 @@
 """What a rollout engine holds on its accelerator while colocated training runs: SGLang's memory contract.
 
-SGLang (reference/sglang.md §3.3, `/release_memory_occupation`, `/resume_memory_occupation`, tags in
+SGLang (`/release_memory_occupation`, `/resume_memory_occupation`; the tags are those of SGLang's
 `srt/constants.py`) frees the memory of the tagged parts: ``weights`` are *discarded* (without
 `--enable-weights-cpu-backup`), ``kv_cache`` and ``cuda_graph`` buffers are dropped; resuming re-allocates
 them, and resumed weights are undefined until the next weight update. `EngineMemory` keeps that state for an

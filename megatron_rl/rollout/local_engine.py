@@ -1,6 +1,6 @@
 """`LocalEngine`: in-process rollout with a Hugging Face transformers model (the embedded single-machine default).
 
-It mirrors SGLang's /generate contract (reference/sglang.md §3.1) so the trainer cannot tell it from a server:
+It mirrors SGLang's native /generate contract (as `SGLangEngine` reads it) so the trainer cannot tell the two apart:
 - `n` samples per prompt, grouped prompt by prompt; greedy when temperature == 0;
 - log-probs as defined in `rollout/sampling.py` (temperature-scaled, untruncated by top-k/top-p);
 - the stop token (any of `stop_token_ids`, or the model's EOS) ends a response and is kept in `response_ids`

@@ -1,4 +1,4 @@
-"""`SGLangEngine`: rollout on SGLang 0.5.23 servers over their native HTTP API (reference/sglang.md §3).
+"""`SGLangEngine`: rollout on SGLang 0.5.23 servers over their native HTTP API.
 
 - generate: one `/generate` request per prompt with `input_ids`, `sampling_params.n`, `return_logprob` and
   (optionally) `return_routed_experts`, sent concurrently; prompts go round-robin to the servers (or all to the

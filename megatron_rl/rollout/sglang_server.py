@@ -5,7 +5,7 @@ in its own virtualenv: it pins other torch/transformers versions than the traine
 session (SGLang kills its whole process tree on a fatal error; a session keeps that away from the trainer), on
 its own port, logging to its own file. `SGLangServers.connect(urls)` wraps servers started elsewhere.
 With N > 1 and `router=True` an `sglang-router` (0.3.x, `POST /workers` registration) is put in front; it only
-proxies /generate, so weight sync, abort and pause always go to every server directly (reference/sglang.md §3.7).
+proxies /generate, so weight sync, abort and pause always go to every server directly.
 
 Every launched server and router gets the run's API key (`api_key.py`): started through
 `sglang_keyed_launch.py`, which reads it from a 0600 file inside the server process (never on a command line),

@@ -1,4 +1,4 @@
-"""Pushing trainer weights into SGLang servers: the three paths, client side (reference/sglang.md §3.2).
+"""Pushing trainer weights into SGLang servers: the three paths, client side.
 
 Input everywhere: an iterable of buckets `list[(hf_name, full_tensor)]`, e.g.
 `MegatronActor.export_hf(bucket_bytes=...)`.
