@@ -1,4 +1,4 @@
-"""Presets equal the published algorithms (docs/algorithms.md, /work/shared/reference/algorithms.md)."""
+"""Presets equal the published algorithms (docs/algorithms.md)."""
 
 from __future__ import annotations
 
