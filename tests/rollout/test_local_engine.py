@@ -4,7 +4,6 @@ stop handling, grouping, seeding, weight updates and control (abort, pause, shut
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -155,15 +154,54 @@ def test_update_weights_loads_checkpoint_names_strictly(tiny_dir: Path, tmp_path
     assert not other.healthy() and other.weight_version == "v2"  # half-loaded: visible
 
 
-def test_abort_from_another_thread(engine: LocalEngine):
+class _StepGate:
+    """Instruments a real engine's decode loop: the generating thread stops after its `after`-th forward step
+    until the test has acted (`act()` is called there, as if from another thread while that step was in flight),
+    and every wait of a paused generation is counted, so a test synchronises on events, not on sleeps."""
+
+    def __init__(self, engine: LocalEngine, monkeypatch: pytest.MonkeyPatch, after: int):
+        self.engine, self.after, self.forwards = engine, after, 0
+        self.reached, self.acted = threading.Event(), threading.Event()
+        self.paused_waits = threading.Semaphore(0)
+        forward, running = engine._forward, engine._running
+
+        def gated_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            self.forwards += 1
+            if self.forwards == self.after:
+                self.reached.set()
+                assert self.acted.wait(60), "the test did not act"
+            return out
+
+        paused_waits = self.paused_waits
+
+        class CountingEvent(threading.Event):
+            def wait(self, timeout=None) -> bool:
+                answer = super().wait(timeout)
+                if not answer:  # a paused generation's poll
+                    paused_waits.release()
+                return answer
+
+        counting = CountingEvent()
+        if running.is_set():
+            counting.set()
+        monkeypatch.setattr(engine, "_forward", gated_forward)
+        monkeypatch.setattr(engine, "_running", counting)
+
+    def act(self, action) -> None:
+        """Run `action` once the generating thread holds its `after`-th step, then let it go on."""
+        assert self.reached.wait(60), "generation never reached the step"
+        action()
+        self.acted.set()
+
+
+def test_abort_from_another_thread(engine: LocalEngine, monkeypatch: pytest.MonkeyPatch):
     params = SamplingParams(max_new_tokens=400, temperature=1.0, seed=0)
     result: list = []
-    start = engine.generated_tokens
+    gate = _StepGate(engine, monkeypatch, after=3)  # prefill + 2 decode steps: 2 tokens per sample
     thread = threading.Thread(target=lambda: result.extend(engine.generate(PROMPTS, params, n=2)))
     thread.start()
-    while engine.generated_tokens - start < 12 and thread.is_alive():
-        time.sleep(0.005)
-    engine.abort()
+    gate.act(engine.abort)
     thread.join(timeout=30)
     assert not thread.is_alive() and len(result) == 6
     for sample in result:
@@ -174,19 +212,19 @@ def test_abort_from_another_thread(engine: LocalEngine):
     assert [s.finish_reason for s in after] == ["length"] * 3
 
 
-def test_pause_holds_generation_and_weights_change_between_steps(tiny_dir: Path):
+def test_pause_holds_generation_and_weights_change_between_steps(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch):
     engine = LocalEngine(tiny_dir)
     params = SamplingParams(max_new_tokens=300, temperature=1.0, seed=0)
     result: list = []
+    gate = _StepGate(engine, monkeypatch, after=6)  # paused while the 6th forward step is in flight
     thread = threading.Thread(target=lambda: result.extend(engine.generate(PROMPTS[:1], params)))
     thread.start()
-    while engine.generated_tokens < 5 and thread.is_alive():
-        time.sleep(0.002)
-    engine.pause()
-    time.sleep(0.2)  # the decode step in flight finishes, then generation waits
+    gate.act(engine.pause)
+    assert gate.paused_waits.acquire(timeout=60)  # the step in flight finished, then generation waits
     held = engine.generated_tokens
-    time.sleep(0.2)
-    assert engine.generated_tokens == held and thread.is_alive()
+    for _ in range(3):  # three more waits while paused: no token in between
+        assert gate.paused_waits.acquire(timeout=60)
+    assert engine.generated_tokens == held == 5 and thread.is_alive()
     state = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
     engine.update_weights([state], version="v2")  # same values, new version
     engine.resume()

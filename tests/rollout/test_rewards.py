@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 
@@ -71,13 +70,17 @@ def test_math_answer_accepts_math_verify_when_installed(monkeypatch):
 
 def test_errors_and_timeouts_score_zero_and_log_once(tokenizer, caplog):
     release = threading.Event()
+    late = threading.Semaphore(0)  # released by each hung call once it has returned its late result
 
     def reward(sample: Sample, text: str, metadata) -> float:
         if metadata["kind"] == "raise":
             raise RuntimeError(f"bad sample {text}")
         if metadata["kind"] == "hang":
-            release.wait(30)
-            return 1.0  # arrives late: must be ignored
+            try:
+                release.wait(60)
+                return 1.0  # arrives late: must be ignored
+            finally:
+                late.release()
         if metadata["kind"] == "nan":
             return float("nan")
         return float(len(text))
@@ -85,13 +88,15 @@ def test_errors_and_timeouts_score_zero_and_log_once(tokenizer, caplog):
     ids = tokenizer("abc", add_special_tokens=False)["input_ids"] + [2]  # "abc" + <|im_end|> (skipped in text)
     kinds = ["ok", "raise", "hang", "ok", "nan", "hang", "raise", "ok"]
     samples = [_sample(ids, kind=k) for k in kinds]
-    start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.rewards"):
         stats = compute_rewards(samples, reward, tokenizer, timeout_s=0.3, max_workers=2)
-    elapsed = time.monotonic() - start
+    # compute_rewards returned while both hung calls were still blocked: it cut them, it did not wait for them.
+    assert not late.acquire(blocking=False)
     release.set()
-    assert elapsed < 2.0  # two hung calls, each cut at 0.3 s
-    assert [s.reward for s in samples] == [3.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 3.0]
+    for _ in range(2):
+        assert late.acquire(timeout=60)
+    expected = [3.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 3.0]
+    assert [s.reward for s in samples] == expected  # the late 1.0s changed nothing
     assert (stats.count, stats.errors, stats.timeouts, stats.mean) == (8, 3, 2, 9.0 / 8)
     assert stats.first_error.startswith("RuntimeError: bad sample abc")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
