@@ -10,6 +10,7 @@ The same file runs the Triton kernels compiled on a GPU and under ``TRITON_INTER
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -175,9 +176,10 @@ def test_simulated_tp(name: str, impl: str, request: pytest.FixtureRequest) -> N
 
 
 def test_report_triton_mode(triton_kernels: object, capsys: pytest.CaptureFixture) -> None:
-    """Records in the output whether the Triton tests ran compiled or interpreted."""
+    """Records in the output whether the Triton tests ran compiled or interpreted, and checks that it is so."""
     with capsys.disabled():
         print(f"\n[kernels] Triton tests ran in {triton_mode()} mode on {DEVICE}")
+    assert (os.environ.get("TRITON_INTERPRET") == "1") == (triton_mode() == "interpreter")
 
 
 def test_reference_implementation_gives_nan_for_inf_logits() -> None:

@@ -13,6 +13,7 @@ import pytest
 from tests.megatron.dist_harness import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "replay_check.py"
+pytestmark = pytest.mark.torchrun
 
 LAYOUTS = {
     "tp1_second_model": (1, ["--second-model", "1"]),

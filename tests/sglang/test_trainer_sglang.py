@@ -97,6 +97,7 @@ def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path,
     assert any(r["rollout/reward_mean"] > 0 for r in history)  # the warmed-up weights reached the server
 
 
+@pytest.mark.torchrun
 def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """The bf16 server's samples scored by the fp32 trainer with natural routing and with R3 replay.
 
@@ -174,6 +175,7 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
         assert r["mismatch/logp_abs_diff"] < 1e-3  # the restarted server got the current weights back
 
 
+@pytest.mark.torchrun
 def test_sglang_serves_an_exported_rl_checkpoint(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """A checkpoint written by the trainer's checkpoint code after RL updates, exported with `megatron-rl
     convert megatron-to-hf`, served by the real SGLang server: its teacher-forced log-probs match the
