@@ -14,7 +14,8 @@ mode                        formula                                             
 
 ``seq-mean-token-sum-norm`` divides by *all* ``B`` rows (empty ones included) so that with a constant ``norm``
 (the generation cap ``L_max``) the normaliser is the constant ``B·L_max`` of Dr. GRPO (arXiv 2503.20783, Oat's
-``masked_sum(...)/generate_max_length`` then batch mean). verl's variant divides by ``norm`` only.
+``masked_sum(...)/generate_max_length`` then batch mean). verl divides by ``norm · S``, which is the same unless a
+row is fully masked.
 An all-masked batch gives exactly 0 in every mode. Normalisers are local: combining micro-batches or
 data-parallel ranks into a global token/sequence mean is the caller's job.
 """

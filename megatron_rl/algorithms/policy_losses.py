@@ -4,7 +4,7 @@ Each loss is one function registered in ``POLICY_LOSSES``; it maps sanitised ``[
 a per-token loss (``-objective``) plus the masks used for metrics. ``policy_loss`` validates inputs, replaces
 masked positions by zeros (``torch.where``, so padding garbage never reaches a value or a gradient), calls the
 loss, applies optional rollout-correction weights and aggregates with the caller's ``agg`` mode — for every
-loss, including GSPO and SAPO (verl forces ``seq-mean-token-mean`` for those two; the papers' form is
+loss, including SAPO (verl forces ``seq-mean-token-mean`` for SAPO; the papers' GSPO and SAPO objectives are
 ``agg="seq-mean-token-mean"``).
 
 Ratios are ``exp(clamp(log_ratio, ±20))`` (``ratios.py``); GSPO clamps the *sequence* mean log-ratio, not
@@ -105,7 +105,10 @@ def gspo_loss(
     """GSPO (arXiv 2507.18071 eq. 5-7): clip the sequence ratio ``s_i = exp(mean_t log r_it)``.
 
     Every token of sequence ``i`` carries ``max(-A·s_i, -A·clip(s_i))``; with ``seq-mean-token-mean`` and a
-    per-sequence advantage this is exactly eq. 5. ``log s_i`` is clamped to [-20, 20] before ``exp``.
+    per-sequence advantage this is exactly eq. 5. ``log s_i`` is clamped to [-20, 20] before ``exp``. The
+    gradient reaches the tokens only through ``s_i``, so every valid token of a sequence gets the same gradient:
+    per-token advantages and rollout weights are pooled over the sequence (with a per-sequence advantage, a token
+    weight acts through the sequence's mean weight). ``gspo_token`` routes them per token instead.
     """
     seq_ratio = clamped_exp(_sequence_log_ratio(log_probs, old_log_probs, mask))
     return _clipped_surrogate(seq_ratio.expand_as(log_probs), adv, cfg)

@@ -299,6 +299,32 @@ def test_gspo_token_uses_per_token_advantages():
     np.testing.assert_allclose(lp.grad.numpy(), -s * adv.numpy() / 3, rtol=1e-12)
 
 
+def test_gspo_gives_token_weights_through_their_sequence_mean_and_gspo_token_per_token():
+    # Row 0 is unclipped: log s = (0.01 - 0.02 + 0.04)/3 = 0.01, A = 1.5, weights (2, 0, 1), mean weight 1.
+    # Row 1 is clipped: log s = 0.4 > log 1.2 with A = 1, weights (0.5, 1.5) (the third slot is padding).
+    # seq-mean-token-mean over S = 2 rows: loss = ½·[-(1/3)(2+0+1)·1.5·s - (1/2)(0.5+1.5)·1.2] for both variants.
+    lp = torch.tensor([[0.01, -0.02, 0.04], [0.5, 0.3, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights = torch.tensor([[2.0, 0.0, 1.0], [0.5, 1.5, 7.0]], dtype=torch.float64)
+    adv = torch.tensor([1.5, 1.0], dtype=torch.float64)
+    s = math.exp(0.01)
+    grads = {}
+    for name in ("gspo", "gspo_token"):
+        leaf = lp.clone().requires_grad_()
+        loss, _ = policy_loss(
+            name, leaf, torch.zeros_like(lp), adv, mask, agg="seq-mean-token-mean", rollout_weights=weights
+        )
+        loss.backward()
+        assert loss.item() == pytest.approx(0.5 * (-1.5 * s - 1.2), rel=1e-14)
+        grads[name] = leaf.grad
+    # gspo: ∂/∂logp_t = ½·(1/3)·w̄·(-A·s) for each token of row 0: the zero-weight token is still trained.
+    np.testing.assert_allclose(grads["gspo"][0].numpy(), [-0.25 * s] * 3, rtol=1e-14)
+    # gspo_token: ½·(1/3)·w_t·(-A·s): each token keeps its own weight (verl's gspo), the zero-weight token gets 0.
+    np.testing.assert_allclose(grads["gspo_token"][0].numpy(), [-0.5 * s, 0.0, -0.25 * s], rtol=1e-14)
+    for name in grads:  # clipped row and padding: no gradient
+        assert grads[name][1].abs().sum().item() == 0.0
+
+
 # ----------------------------------------------------------------------------- SAPO
 
 
