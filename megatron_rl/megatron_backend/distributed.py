@@ -8,20 +8,13 @@ local port, which is how single-process tests and notebooks use Megatron.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout, ResolvedLayout
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron_rl.net import free_port
 
 
 def init_distributed(

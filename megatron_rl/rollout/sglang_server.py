@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.net import free_port
 from megatron_rl.rollout.api_key import API_KEY_FILE_NAME, auth_headers, create_api_key_file, read_api_key_file
 from megatron_rl.rollout.engine import RolloutEngineError
 
@@ -89,12 +90,6 @@ def is_healthy(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> 
         return True
     except SGLangServerError:
         return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- servers
