@@ -17,6 +17,7 @@ from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.kernels import packed_gspo_applies
+from megatron_rl.megatron_backend.models.architecture import is_moe
 
 # Engines that can return the experts each token was routed to (needed by R3).
 ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")
@@ -30,12 +31,6 @@ def read_model_config(hf_path: str) -> dict[str, Any] | None:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return None
-
-
-def is_moe(hf_config: dict[str, Any]) -> bool:
-    """Whether an HF config describes a Mixture-of-Experts model."""
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")
-    return any(int(hf_config.get(k) or 0) > 1 for k in keys)
 
 
 def validate(cfg: RLConfig) -> list[str]:

@@ -19,6 +19,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.models.family import ModelDims, UnsupportedModelError
 from megatron_rl.megatron_backend.parallel_layout import LayoutError
 
 GiB = 2**30
@@ -131,16 +133,19 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
             )
     train_nodes = cluster.nodes if colocated else max(cluster.nodes - cluster.rollout_nodes, 1)
     world = train_nodes * cluster.gpus_per_node
-    dims = _dims(hf)
+    try:
+        dims = model_dims(hf)
+    except UnsupportedModelError as err:
+        raise PlanError(f"impossible plan:\n  - {err}") from err
     layout = None
     try:
         layout = cfg.parallel.validate(
             world,
-            num_layers=dims["layers"],
-            num_experts=dims["experts"] or None,
-            num_attention_heads=dims["heads"],
-            num_query_groups=dims["kv_heads"],
-            is_moe=dims["experts"] > 0,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts or None,
+            num_attention_heads=dims.num_attention_heads,
+            num_query_groups=dims.num_query_groups,
+            is_moe=dims.num_experts > 0,
         )
     except LayoutError as err:
         reasons.append(f"parallel layout on {world} training GPUs ({train_nodes} nodes): {err}")
@@ -235,48 +240,25 @@ def _coordinates(rank: int, layout, gpus_per_node: int) -> TrainerRank:
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def _dims(hf: dict) -> dict[str, Any]:
-    h = int(hf["hidden_size"])
-    heads = int(hf["num_attention_heads"])
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    layers = int(hf["num_hidden_layers"])
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    step = int(hf.get("decoder_sparse_step") or 1)
-    moe = [experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(layers)]
-    return {
-        "hidden": h,
-        "heads": heads,
-        "kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or h // heads),
-        "layers": layers,
-        "experts": experts,
-        "top_k": int(hf.get("num_experts_per_tok") or 0),
-        "moe": moe,
-        "vocab": int(hf["vocab_size"]),
-        "tied": bool(hf.get("tie_word_embeddings", False)),
-        "inter": int(hf.get("intermediate_size") or 4 * h),
-        "moe_inter": int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * h),
-        "shared_inter": int(hf.get("shared_expert_intermediate_size") or 0),
-    }
-
-
-def _memory(cfg, d: dict, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
-    h, hd = d["hidden"], d["head_dim"]
-    attention = h * d["heads"] * hd * 2 + 2 * h * d["kv_heads"] * hd + 2 * hd + 2 * h
-    moe_dense = d["experts"] * h + (3 * h * d["shared_inter"] + h if d["shared_inter"] else 0)
-    expert = d["experts"] * 3 * h * d["moe_inter"]
-    per_layer_dense = [attention + (moe_dense if m else 3 * h * d["inter"]) for m in d["moe"]]
-    per_layer_expert = [expert if m else 0 for m in d["moe"]]
-    embed = d["vocab"] * h
-    head = 0 if d["tied"] else embed
+def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
+    h, hd, heads, groups = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_query_groups
+    attention = h * heads * hd * 2 + 2 * h * groups * hd + 2 * h  # q and output, k and v, the two layer norms
+    attention += (2 * hd if d.qk_layernorm else 0) + ((heads + 2 * groups) * hd if d.qkv_bias else 0)
+    shared = d.shared_expert_ffn_hidden_size
+    moe_dense = d.num_experts * h + (3 * h * shared + h if shared else 0)  # router, shared expert and its gate
+    expert = d.num_experts * 3 * h * d.moe_ffn_hidden_size
+    per_layer_dense = [attention + (moe_dense if m else 3 * h * d.ffn_hidden_size) for m in d.moe_layer_pattern]
+    per_layer_expert = [expert if m else 0 for m in d.moe_layer_pattern]
+    embed = d.vocab_size * h
+    head = 0 if d.tie_word_embeddings else embed
     total_params = sum(per_layer_dense) + sum(per_layer_expert) + embed + head + h
-    active = total_params - sum(per_layer_expert) + sum(per_layer_expert) * d["top_k"] / max(d["experts"], 1)
+    active = total_params - sum(per_layer_expert) + sum(per_layer_expert) * d.top_k / max(d.num_experts, 1)
     params = {"total": total_params, "experts": sum(per_layer_expert), "active": active}
 
     tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
     dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
-    per_stage = math.ceil(d["layers"] / pp)
-    dense = max(per_layer_dense) * per_stage / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d["tied"])
+    per_stage = math.ceil(d.num_layers / pp)
+    dense = max(per_layer_dense) * per_stage / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
     experts = max(per_layer_expert) * per_stage / (ep * etp)
     bf16 = cfg.model.options.dtype == "bf16"
     weights = (dense + experts) * (2 if bf16 else 4)
@@ -291,7 +273,7 @@ def _memory(cfg, d: dict, layout, cluster: ClusterSpec, colocated_sglang: bool) 
         activations = tokens * h * act_bytes * 17 * per_stage / tp  # ~34 bytes/token/hidden per layer in bf16
     if pp > 1:
         activations *= min(pp, 2)  # in-flight micro-batches of 1F1B on the first stage
-    logits = tokens * d["vocab"] / tp * act_bytes * 2  # logits and their gradient (the log-prob kernel is chunked)
+    logits = tokens * d.vocab_size / tp * act_bytes * 2  # logits and their gradient (the log-prob kernel is chunked)
     total = (weights + grads + optimizer + activations + logits) * 1.1
     gpu = cluster.gpu_memory_gib * GiB
     share = cfg.rollout.sglang.mem_fraction_static

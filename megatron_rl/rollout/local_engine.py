@@ -22,6 +22,7 @@ storage and discards their values, as SGLang does; `resume_memory` re-allocates 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -31,11 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.megatron_backend.models.architecture import model_dims
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.hf_weight_loading import HFWeightLoader
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sampling import check_sampling_params, is_greedy, sample_tokens
+from megatron_rl.routing.cache import routes_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,6 @@ class LocalEngine:
         self.eos_token_ids = _eos_ids(self.model) if stop_on_eos else frozenset()
         self._loader = HFWeightLoader(self.model)
         self._routers = [m for n, m in self.model.named_modules() if n.endswith(".gate") and hasattr(m, "top_k")]
-        self.num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
         self._route_sink: list[torch.Tensor] | None = None
         self._hooks = [r.register_forward_hook(self._record_route) for r in self._routers]
         self._version = weight_version
@@ -313,8 +315,7 @@ class LocalEngine:
         routed = None
         fed = len(row.prompt) + len(row.response) - 1
         if want_routes and len(row.routes) >= fed:  # no routes when aborted before the prompt was run
-            dtype = np.uint8 if self.num_experts <= 256 else np.int16
-            routed = torch.stack(row.routes[:fed]).numpy().astype(dtype)
+            routed = torch.stack(row.routes[:fed]).to(self._routes_dtype).numpy()
         return Sample(
             prompt_ids=row.prompt,
             response_ids=row.response,
@@ -325,6 +326,11 @@ class LocalEngine:
             routed_experts=routed,
             metadata=metadata,
         )
+
+    @functools.cached_property
+    def _routes_dtype(self) -> torch.dtype:
+        """Expert-id dtype of recorded routes; asked only with routes, so any other model still generates."""
+        return routes_dtype(model_dims(self.model.config.to_dict()).num_experts)
 
     # ------------------------------------------------------------------ control
     def _aborted(self, epoch: int) -> bool:

@@ -6,7 +6,7 @@
   prompt. The stop token is kept in `response_ids` (SGLang includes it in `output_ids`).
 - log-probs: SGLang's `output_token_logprobs` (temperature-scaled unless `SGLANG_RETURN_ORIGINAL_LOGPROB`).
 - routed experts: `meta_info.routed_experts`, base64 little-endian int32 `[prompt+response-1, layers, top_k]`,
-  stored as uint8 (<= 256 experts) or int16.
+  stored as `routing.cache.routes_dtype` (uint8 for <= 256 experts, else int16).
 - pause/resume/abort go to every server directly (the router does not proxy them).
 - release_memory/resume_memory (colocated runs; servers launched with `--enable-memory-saver`, CUDA only):
   `/release_memory_occupation` / `/resume_memory_occupation` on every server, state kept by `EngineMemory`.
@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from megatron_rl.megatron_backend.models.architecture import model_dims
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
 from megatron_rl.rollout.weight_sync import SyncReport, WeightSync, make_weight_sync
+from megatron_rl.routing.cache import routes_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +275,7 @@ class SGLangEngine:
         routes = flat.reshape(-1, layers, top_k)
         if routes.shape[0] < rows:
             raise SGLangServerError(f"SGLang returned routed experts for {routes.shape[0]} positions, expected {rows}")
-        return routes[:rows].astype(np.uint8 if num_experts <= 256 else np.int16)
+        return routes[:rows].astype(str(routes_dtype(num_experts)).removeprefix("torch."))  # numpy's name of it
 
     def _routed_experts_layout(self) -> tuple[int, int, int]:
         if self._routed_shape is None or self._num_experts is None:
@@ -284,12 +286,9 @@ class SGLangEngine:
                     f"cannot read {config_path} to learn the routed-experts layout; pass routed_experts_shape= "
                     "and num_experts= to SGLangEngine"
                 )
-            config = json.loads(config_path.read_text())
-            self._routed_shape = self._routed_shape or (
-                int(config["num_hidden_layers"]),
-                int(config["num_experts_per_tok"]),
-            )
-            self._num_experts = self._num_experts or int(config.get("num_experts") or config["num_local_experts"])
+            dims = model_dims(json.loads(config_path.read_text()))
+            self._routed_shape = self._routed_shape or (dims.num_layers, dims.top_k)
+            self._num_experts = self._num_experts or dims.num_experts
         return (*self._routed_shape, self._num_experts)
 
     def _read_version(self) -> str:

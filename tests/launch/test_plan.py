@@ -149,3 +149,32 @@ def test_colocated_memory_release_and_actor_offload_change_the_budgets() -> None
         make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", "trainer.offload_actor=false"), _hf(QWEN30B), cluster)
     with pytest.raises(PlanError, match="rollout.release_memory=true frees it during training"):
         make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", "rollout.release_memory=false"), _hf(QWEN30B), cluster)
+
+
+def test_planner_counts_the_architecture_its_model_family_describes() -> None:
+    """A Qwen2-MoE with every 2nd layer sparse except mlp_only_layers=[3]: the family's MoE layers [1, 5], QKV
+    biases, a gated shared expert and no QK-norm; the planner's parameter count equals transformers' own model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.megatron_backend.models.architecture import model_dims
+
+    hf = dict(
+        model_type="qwen2_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3],
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    plan = make_plan(_cfg("tiny_moe_gspo.yaml"), hf, ClusterSpec(1, 1, 80))
+    assert model_dims(hf).moe_layers == [1, 5]
+    assert plan.params["experts"] == 2 * 8 * 3 * 64 * 32  # experts only in those two layers
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    assert plan.params["total"] == sum(p.numel() for p in model.parameters())
+    active = plan.params["total"] - plan.params["experts"] * (1 - 2 / 8)
+    assert plan.params["active"] == pytest.approx(active)
+
+
+def test_a_model_no_family_builds_is_refused_not_planned_as_dense() -> None:
+    deepseek_v3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                   "num_attention_heads": 128, "vocab_size": 129280, "n_routed_experts": 256,
+                   "first_k_dense_replace": 3, "moe_layer_freq": 1}  # fmt: skip
+    with pytest.raises(PlanError, match=r"impossible plan:\n  - unsupported architecture: .*model_type='deepseek_v3'"):
+        make_plan(_cfg("tiny_moe_gspo.yaml"), deepseek_v3, ClusterSpec(1, 8, 80))

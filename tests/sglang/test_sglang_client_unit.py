@@ -46,6 +46,7 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
     With `hang` set, a POST is held (no answer) until `release` is set; `holding` is set while one is held."""
 
     hang = False
+    model_path = "/nonexistent"  # /model_info's answer
     bodies: list[dict] = []
     memory_calls: list[tuple[str, list[str]]] = []
     auth: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
@@ -64,7 +65,7 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         type(self).auth.append((self.path, self.headers.get("Authorization")))
-        self._send({"model_path": "/nonexistent", "weight_version": "v7"})
+        self._send({"model_path": self.model_path, "weight_version": "v7"})
 
     def do_POST(self) -> None:
         type(self).auth.append((self.path, self.headers.get("Authorization")))
@@ -92,7 +93,7 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
 @pytest.fixture
 def sglang_contract_fake_url():
     fake = SGLangHTTPContractFake
-    fake.hang, fake.bodies, fake.memory_calls, fake.auth = False, [], [], []
+    fake.hang, fake.model_path, fake.bodies, fake.memory_calls, fake.auth = False, "/nonexistent", [], [], []
     fake.holding, fake.release = threading.Event(), threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -205,3 +206,21 @@ def test_every_request_carries_the_api_key(sglang_contract_fake_url, tmp_path):
 def test_no_key_no_header(sglang_contract_fake_url):
     SGLangEngine([sglang_contract_fake_url]).generate([[1]], SamplingParams(max_new_tokens=2))
     assert SGLangHTTPContractFake.auth and all(header is None for _, header in SGLangHTTPContractFake.auth)
+
+
+def test_routed_experts_layout_comes_from_the_served_models_family(sglang_contract_fake_url, tmp_path):
+    """Without `routed_experts_shape`/`num_experts`, the layout is the served config.json's `ModelDims`: 2 layers
+    x top-2 rows; 300 experts do not fit uint8 ids, so routes are stored as int16."""
+    from megatron_rl.tiny_model import TinyQwen3MoeSpec, hf_config_dict
+
+    config = hf_config_dict(TinyQwen3MoeSpec(num_hidden_layers=2, num_experts=300, num_experts_per_tok=2))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    SGLangHTTPContractFake.model_path = str(tmp_path)
+    engine = SGLangEngine([sglang_contract_fake_url])
+    samples = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True)
+    routes = samples[0].routed_experts
+    assert routes.dtype == np.int16 and routes.shape == (4, 2, 2)
+    np.testing.assert_array_equal(routes.reshape(-1), np.arange(16) % 8)  # the fake's ids, decoded in order
+    SGLangHTTPContractFake.model_path = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="pass routed_experts_shape= and num_experts="):
+        SGLangEngine([sglang_contract_fake_url]).generate([[1]], SamplingParams(), return_routed_experts=True)

@@ -38,20 +38,33 @@ class WeightRule:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Architecture facts every other part of the trainer needs, derived once from the HF config."""
+    """Architecture facts every other part of the trainer needs, derived once from the HF config by the family.
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    num_experts: int
-    top_k: int
-    moe_layer_pattern: tuple[int, ...]  # 1 = MoE layer, 0 = dense layer, per global layer index
+    `hf_keys` in a field's metadata are the config.json keys it may come from, which architecture-mismatch errors
+    name (else the field's own name); they compare the fields in this order.
+    """
+
+    model_type: str = field(metadata={"hf_keys": ("model_type",)})
+    vocab_size: int = field(metadata={"hf_keys": ("vocab_size",)})
+    hidden_size: int = field(metadata={"hf_keys": ("hidden_size",)})
+    num_layers: int = field(metadata={"hf_keys": ("num_hidden_layers",)})
+    num_attention_heads: int = field(metadata={"hf_keys": ("num_attention_heads",)})
+    num_query_groups: int = field(metadata={"hf_keys": ("num_key_value_heads",)})
+    head_dim: int = field(metadata={"hf_keys": ("head_dim",)})  # Megatron's kv_channels
+    max_position_embeddings: int = field(metadata={"hf_keys": ("max_position_embeddings",)})
+    num_experts: int = field(metadata={"hf_keys": ("num_experts", "num_local_experts")})
+    top_k: int = field(metadata={"hf_keys": ("num_experts_per_tok",)})
+    # 1 = MoE layer, 0 = dense layer, per global layer index
+    moe_layer_pattern: tuple[int, ...]
+    # one expert's MLP (Mixtral: intermediate_size)
+    moe_ffn_hidden_size: int = field(default=0, metadata={"hf_keys": ("moe_intermediate_size", "intermediate_size")})
+    ffn_hidden_size: int = field(default=0, metadata={"hf_keys": ("intermediate_size",)})  # dense layers' MLP
+    tie_word_embeddings: bool = field(default=False, metadata={"hf_keys": ("tie_word_embeddings",)})
+    # HF softmaxes over all experts, then renormalises the top-k probabilities (Qwen `norm_topk_prob`)
+    renormalize_top_k: bool = field(default=False, metadata={"hf_keys": ("norm_topk_prob",)})
+    shared_expert_ffn_hidden_size: int = field(default=0, metadata={"hf_keys": ("shared_expert_intermediate_size",)})
+    qk_layernorm: bool = False  # RMSNorm on each query and key head
+    qkv_bias: bool = field(default=False, metadata={"hf_keys": ("qkv_bias", "attention_bias")})
 
     @property
     def moe_layers(self) -> list[int]:

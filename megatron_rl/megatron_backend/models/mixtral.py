@@ -58,19 +58,14 @@ def dims(hf: HFConfig) -> ModelDims:
         num_experts=int(hf["num_local_experts"]),
         top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=(1,) * layers,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_ffn_hidden_size=int(hf["intermediate_size"]),
+        renormalize_top_k=True,
     )
 
 
 def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
-    return moe_decoder.decoder_transformer_config(
-        hf,
-        dims(hf),
-        qk_layernorm=False,
-        qkv_bias=False,
-        dense_ffn_size=int(hf["intermediate_size"]),
-        expert_ffn_size=int(hf["intermediate_size"]),
-        renormalize_top_k=True,
-    )
+    return moe_decoder.decoder_transformer_config(hf, dims(hf))
 
 
 def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """HF <-> Megatron weight rules shared by the pre-norm decoder MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
-The families differ only in HF module names and a few options (QK-norm, QKV bias, shared expert),
-described by `DecoderNames`; the Megatron side is always GPTModel with the local or TE layer spec.
+The families differ only in HF module names (`DecoderNames`) and a few options their `ModelDims` carry
+(QK-norm, QKV bias, shared expert); the Megatron side is always GPTModel with the local or TE layer spec.
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ class DecoderNames:
     expert_gate: str = "gate_proj"  # Mixtral: w1
     expert_up: str = "up_proj"  # Mixtral: w3
     expert_down: str = "down_proj"  # Mixtral: w2
-    qk_norm: bool = False
-    qkv_bias: bool = False
-    shared_expert: bool = False  # Qwen2-MoE: mlp.shared_expert.* with a sigmoid gate mlp.shared_expert_gate
 
 
 def cat0(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -76,7 +73,7 @@ def decoder_weight_rules(hf: HFConfig, dims: ModelDims, names: DecoderNames) -> 
             WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",)),
             WeightRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
         ]
-        if names.qkv_bias:
+        if dims.qkv_bias:
             rules.append(
                 WeightRule(
                     m + "self_attention.linear_qkv.bias",
@@ -85,7 +82,7 @@ def decoder_weight_rules(hf: HFConfig, dims: ModelDims, names: DecoderNames) -> 
                     to_hf=partial(split_qkv_bias, **qkv),
                 )
             )
-        if names.qk_norm:
+        if dims.qk_layernorm:
             rules += [
                 WeightRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",)),
                 WeightRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",)),
@@ -104,7 +101,7 @@ def decoder_weight_rules(hf: HFConfig, dims: ModelDims, names: DecoderNames) -> 
                 _glu(me + "linear_fc1.weight", he + names.expert_gate + ".weight", he + names.expert_up + ".weight"),
                 WeightRule(me + "linear_fc2.weight", (he + names.expert_down + ".weight",)),
             ]
-        if names.shared_expert:
+        if dims.shared_expert_ffn_hidden_size:  # Qwen2-MoE: mlp.shared_expert.* gated by mlp.shared_expert_gate
             ms, hs = m + "mlp.shared_experts.", block + "shared_expert."
             rules += [
                 _glu(ms + "linear_fc1.weight", hs + "gate_proj.weight", hs + "up_proj.weight"),
@@ -121,20 +118,10 @@ def moe_layer_pattern(hf: HFConfig) -> tuple[int, ...]:
     return tuple(int(i not in mlp_only and (i + 1) % step == 0) for i in range(int(hf["num_hidden_layers"])))
 
 
-def decoder_transformer_config(
-    hf: HFConfig,
-    dims: ModelDims,
-    *,
-    qk_layernorm: bool,
-    qkv_bias: bool,
-    dense_ffn_size: int,
-    expert_ffn_size: int,
-    renormalize_top_k: bool,
-    shared_expert_size: int | None = None,
-) -> dict:
+def decoder_transformer_config(hf: HFConfig, dims: ModelDims) -> dict:
     """Megatron `TransformerConfig` kwargs of a pre-norm RMSNorm, RoPE, SwiGLU, softmax-router MoE decoder.
 
-    `renormalize_top_k`: HF softmaxes over all experts and renormalises the top-k (Qwen3 `norm_topk_prob`,
+    `dims.renormalize_top_k`: HF softmaxes over all experts and renormalises the top-k (Qwen3 `norm_topk_prob`,
     Mixtral) = Megatron top-k of logits then softmax over them (`moe_router_pre_softmax=False`); without
     renormalisation it is Megatron's `moe_router_pre_softmax=True`.
     """
@@ -146,26 +133,28 @@ def decoder_transformer_config(
         num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_query_groups,
         kv_channels=dims.head_dim,
-        ffn_hidden_size=dense_ffn_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf["rms_norm_eps"]),
-        qk_layernorm=qk_layernorm,
+        qk_layernorm=dims.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
+        add_qkv_bias=dims.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
         num_moe_experts=dims.num_experts,
-        moe_ffn_hidden_size=expert_ffn_size,
+        moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
         moe_router_topk=dims.top_k,
-        moe_router_pre_softmax=not renormalize_top_k,
+        moe_router_pre_softmax=not dims.renormalize_top_k,
         moe_layer_freq=list(dims.moe_layer_pattern),
         moe_router_dtype="fp32",
     )
-    if shared_expert_size:
-        kwargs.update(moe_shared_expert_intermediate_size=shared_expert_size, moe_shared_expert_gate=True)
+    if dims.shared_expert_ffn_hidden_size:
+        kwargs.update(
+            moe_shared_expert_intermediate_size=dims.shared_expert_ffn_hidden_size, moe_shared_expert_gate=True
+        )
     return kwargs
 
 

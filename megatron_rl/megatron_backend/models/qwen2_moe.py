@@ -48,30 +48,22 @@ def dims(hf: HFConfig) -> ModelDims:
         num_layers=int(hf["num_hidden_layers"]),
         num_attention_heads=heads,
         num_query_groups=int(hf["num_key_value_heads"]),
-        head_dim=int(hf["hidden_size"]) // heads,
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),  # as transformers reads it
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=int(hf["num_experts"]),
         top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=moe_decoder.moe_layer_pattern(hf),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        shared_expert_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        qkv_bias=bool(hf.get("qkv_bias", True)),
+        renormalize_top_k=bool(hf.get("norm_topk_prob", False)),
     )
-
-
-def _shared_size(hf: HFConfig) -> int | None:
-    return int(hf.get("shared_expert_intermediate_size") or 0) or None
 
 
 def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
-    return moe_decoder.decoder_transformer_config(
-        hf,
-        dims(hf),
-        qk_layernorm=False,
-        qkv_bias=bool(hf.get("qkv_bias", True)),
-        dense_ffn_size=int(hf["intermediate_size"]),
-        expert_ffn_size=int(hf["moe_intermediate_size"]),
-        renormalize_top_k=bool(hf.get("norm_topk_prob", False)),
-        shared_expert_size=_shared_size(hf),
-    )
+    return moe_decoder.decoder_transformer_config(hf, dims(hf))
 
 
 def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
@@ -79,8 +71,7 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
 
 
 def weight_rules(hf: HFConfig) -> list[WeightRule]:
-    names = moe_decoder.DecoderNames(qkv_bias=bool(hf.get("qkv_bias", True)), shared_expert=bool(_shared_size(hf)))
-    return moe_decoder.decoder_weight_rules(hf, dims(hf), names)
+    return moe_decoder.decoder_weight_rules(hf, dims(hf), moe_decoder.DecoderNames())
 
 
 FAMILY = register_family(

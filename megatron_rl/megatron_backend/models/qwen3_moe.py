@@ -75,19 +75,16 @@ def dims(hf: HFConfig) -> ModelDims:
         num_experts=_num_experts(hf),
         top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=moe_layer_pattern(hf),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        qk_layernorm=True,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        renormalize_top_k=bool(hf.get("norm_topk_prob", False)),
     )
 
 
 def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
-    return decoder_transformer_config(
-        hf,
-        dims(hf),
-        qk_layernorm=True,
-        qkv_bias=bool(hf.get("attention_bias", False)),
-        dense_ffn_size=int(hf["intermediate_size"]),
-        expert_ffn_size=int(hf["moe_intermediate_size"]),
-        renormalize_top_k=bool(hf.get("norm_topk_prob", False)),
-    )
+    return decoder_transformer_config(hf, dims(hf))
 
 
 def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
@@ -95,7 +92,7 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
 
 
 def weight_rules(hf: HFConfig) -> list[WeightRule]:
-    return decoder_weight_rules(hf, dims(hf), DecoderNames(qk_norm=True, qkv_bias=bool(hf.get("attention_bias"))))
+    return decoder_weight_rules(hf, dims(hf), DecoderNames())
 
 
 FAMILY = register_family(

@@ -1,0 +1,59 @@
+"""The model's architecture facts, asked of its registered family: `model_dims`, `is_moe`, `check_same_architecture`.
+
+Every consumer (launch planner, rollout engines, config validation, checkpoint loading) asks here instead of
+reading HF config keys itself. Importing this module registers the families; it does not import Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from megatron_rl.megatron_backend.hf_weights import WeightMismatchError
+from megatron_rl.megatron_backend.models import get_family
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelDims, UnsupportedModelError
+
+# RoPE has no learned positions: a checkpoint's weights fit any context length.
+_NOT_ARCHITECTURE = frozenset({"max_position_embeddings"})
+
+
+def model_dims(hf_config: HFConfig) -> ModelDims:
+    """The architecture of an HF config, by its family; `UnsupportedModelError` for a model no family builds."""
+    return get_family(hf_config).dims(hf_config)
+
+
+def is_moe(hf_config: HFConfig) -> bool:
+    """Whether an HF config describes a Mixture-of-Experts model.
+
+    A config that no family describes in full (an unsupported model, or only the keys known so far) counts as
+    MoE when any expert-count key is above 1, so the config checks can speak before the model is built.
+    """
+    try:
+        return model_dims(hf_config).num_experts > 1
+    except UnsupportedModelError:
+        keys = ("num_experts", "num_local_experts", "n_routed_experts")
+        return any(int(hf_config.get(k) or 0) > 1 for k in keys)
+
+
+def check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:
+    """`WeightMismatchError` unless `got` (the config stored with weights at `where`) describes the model built
+    from `expected`: same family and every architecture fact of `ModelDims` equal."""
+
+    def mismatch(key: str, got_value: object, expected_value: object) -> WeightMismatchError:
+        return WeightMismatchError(
+            f"{where}: holds a model with {key}={got_value!r} but the model was built with "
+            f"{key}={expected_value!r}: it is a checkpoint of another architecture"
+        )
+
+    if expected.get("model_type") != got.get("model_type"):
+        raise mismatch("model_type", got.get("model_type"), expected.get("model_type"))
+    want = model_dims(expected)
+    try:
+        have = model_dims(got)
+    except UnsupportedModelError as err:
+        raise WeightMismatchError(f"{where}: {err}") from err
+    for f in fields(ModelDims):
+        if f.name not in _NOT_ARCHITECTURE and getattr(want, f.name) != getattr(have, f.name):
+            keys = f.metadata.get("hf_keys", (f.name,))
+            key = next((k for k in keys if k in got), keys[0])
+            raise mismatch(key, getattr(have, f.name), getattr(want, f.name))
