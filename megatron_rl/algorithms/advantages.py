@@ -91,10 +91,21 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, **opti
     its keyword arguments (e.g. ``norm_by_std``, ``eps`` for ``grpo``).
     """
     estimator = ADVANTAGE_ESTIMATORS.get(name)
-    accepted = [p.name for p in inspect.signature(estimator).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    accepted = _keyword_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"advantage estimator {name!r} got unknown options {unknown}; accepted: {accepted}")
     groups = split_groups(rewards.detach(), group_size)
     groups = groups.to(groups.dtype if groups.dtype in (torch.float32, torch.float64) else torch.float32)
     return estimator(groups, **options).reshape(-1)
+
+
+def estimator_options(name: str, **settings: object) -> dict[str, object]:
+    """The subset of run-wide `settings` (e.g. ``norm_by_std``) that the estimator ``name`` takes."""
+    accepted = _keyword_options(name)
+    return {k: v for k, v in settings.items() if k in accepted}
+
+
+def _keyword_options(name: str) -> list[str]:
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    return [p.name for p in inspect.signature(estimator).parameters.values() if p.kind is p.KEYWORD_ONLY]

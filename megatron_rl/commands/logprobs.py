@@ -68,27 +68,17 @@ def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top
     import torch
 
     from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.routing.cache import RouteCache
 
     longest = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    routes = None
-    if with_routes:
-        # Positions without a route (the last token and padding) get distinct dummy experts; their
-        # outputs never reach a scored log-prob under causal attention.
-        routes = (torch.arange(top_k) % num_experts).expand(len(samples), longest, num_moe_layers, top_k).clone()
+    cache = RouteCache(num_moe_layers, top_k, num_experts) if with_routes else None
     for i, s in enumerate(samples):
         ids[i, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        if with_routes:
+        if cache is not None:  # checks SGLang's layout ([len(input_ids) - 1][moe_layers][top_k]) and the ids
             given = torch.tensor(s.get("routed_experts") or [], dtype=torch.long)
-            expected = (len(s["input_ids"]) - 1, num_moe_layers, top_k)
-            if tuple(given.shape) != expected:
-                raise ValueError(
-                    f"sample {i}: routed_experts has shape {tuple(given.shape)}, expected {expected} "
-                    "([len(input_ids) - 1][moe_layers][top_k], SGLang's layout)"
-                )
-            if given.numel() and not (0 <= int(given.min()) and int(given.max()) < num_experts):
-                raise ValueError(f"sample {i}: routed_experts hold ids outside [0, {num_experts})")
-            routes[i, : expected[0]] = given
+            cache.put(i, given, num_tokens=len(s["input_ids"]))
+    routes = None if cache is None else cache.batch_routes(list(range(len(samples))), longest)
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     starts = torch.tensor([s["response_start"] for s in samples])
     return TokenBatch(ids, lengths, starts, routes=routes)
@@ -101,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.megatron_backend.actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
-    from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.models import get_family
+    from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
     hf = checkpoint.read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
@@ -136,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
         result = actor.compute_log_probs(
             batch,
             with_entropy=True,
-            record_routes=not args.replay_routes,
-            replay_routes=args.replay_routes,
+            route_mode="replay" if args.replay_routes else "record",
             temperature=args.temperature,
         )
         if torch.distributed.get_rank() == 0:

@@ -14,8 +14,9 @@ Triton module is imported lazily: on CPU it needs ``TRITON_INTERPRET=1`` in the 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -42,6 +43,7 @@ __all__ = [
     "resolve_gspo_impl",
     "resolve_impl",
     "select_gspo_kernel",
+    "next_token_logprobs_and_entropy",
     "token_logprobs_and_entropy",
     "triton_available",
     "triton_preferred",
@@ -99,3 +101,12 @@ def token_logprobs_and_entropy(
     else:
         logprobs, entropy = chunked_logprobs_and_entropy(logits, targets, chunk_rows=chunk_rows, **kwargs)
     return logprobs, entropy if with_entropy else None
+
+
+def next_token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``log p(input_ids[:, t] | input_ids[:, :t])`` and the entropy of the distribution it is drawn from,
+    ``[b, s]`` aligned with ``input_ids`` (position 0, which has no context, is 0), from a causal model's
+    logits ``[b, s, V_local]``. ``kwargs`` as in ``token_logprobs_and_entropy``."""
+    logp, ent = token_logprobs_and_entropy(logits[:, :-1], input_ids.to(logits.device)[:, 1:], **kwargs)
+    logp = torch.nn.functional.pad(logp, (1, 0))
+    return logp, None if ent is None else torch.nn.functional.pad(ent, (1, 0))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_rl.routing.cache import padding_routes
 
 
 @dataclass
@@ -74,16 +77,20 @@ class TokenBatch:
             lengths=torch.cat([self.lengths[idx], ones]),
             response_start=torch.cat([self.response_start[idx], ones]),
             fields={k: fit(v) for k, v in self.fields.items()},
-            routes=None if self.routes is None else _dummy_routes_fill(fit(self.routes), extra),
+            routes=None if self.routes is None else _with_dummy_routes(fit(self.routes), extra),
             padding_rows=extra,
         )
 
 
-def _dummy_routes_fill(routes: torch.Tensor, extra: int) -> torch.Tensor:
-    """Dummy rows route to experts 0..k-1 (distinct, as top-k requires); they never reach a loss."""
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
+"""`loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`: the actor's loss contract."""
+
+
+def _with_dummy_routes(routes: torch.Tensor, extra: int) -> torch.Tensor:
+    """The last `extra` (dummy) rows get `padding_routes`; they never reach a loss."""
     if extra:
-        k = routes.shape[-1]
-        routes[-extra:] = torch.arange(k, dtype=routes.dtype)
+        _, s, layers, k = routes.shape
+        routes[-extra:] = padding_routes(extra, s, layers, k, routes.dtype)
     return routes
 
 

@@ -55,7 +55,7 @@ def reference_from_hf(actor: MegatronActor, model_dir: str | Path) -> ReferenceW
     reference = ReferenceWeights(actor)
     _copy_into(modules, parked)
     if actor.optimizer is not None:
-        actor._reload_main_params()
+        actor.reload_main_params()
     return reference
 
 

@@ -23,6 +23,13 @@ def routes_dtype(num_experts: int) -> torch.dtype:
     raise ValueError(f"{num_experts} experts do not fit int16 expert ids")
 
 
+def padding_routes(rows: int, seq_len: int, moe_layers: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[rows, seq_len, moe_layers, top_k]` filled with experts `0..k-1`: the routes of positions that have none
+    (a sample's last token, padding, dummy rows). Distinct experts, as top-k requires; what a recording routes
+    such positions to, so replaying them re-runs a recorded pass bitwise. Never reaches a log-prob."""
+    return torch.arange(top_k, dtype=dtype).expand(rows, seq_len, moe_layers, top_k).clone()
+
+
 @dataclass(frozen=True)
 class RouteFootprint:
     bytes_per_token: int
@@ -94,8 +101,7 @@ class RouteCache:
         """`[len(keys), seq_len, moe_layers, top_k]` for `TokenBatch.routes`: each sample's rows, then dummy
         experts `0..k-1` for its last token and padding (never reaching a log-prob). A `None` key is a row
         this rank never feeds (another data-parallel rank's): it gets dummy experts only."""
-        out = torch.arange(self.top_k, dtype=self.dtype).expand(len(keys), seq_len, self.moe_layers, self.top_k)
-        out = out.clone()
+        out = padding_routes(len(keys), seq_len, self.moe_layers, self.top_k, self.dtype)
         for i, key in enumerate(keys):
             if key is None:
                 continue

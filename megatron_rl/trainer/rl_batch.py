@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.megatron_backend.batch import TokenBatch
 from megatron_rl.rollout.sample import Sample
+from megatron_rl.routing.cache import padding_routes
 
 
 def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_routes: bool = False) -> TokenBatch:
@@ -28,7 +29,7 @@ def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_ro
         if first is None:
             raise ValueError("routing replay R3 needs routed_experts from the rollout engine")
         layers, k = first.shape[1:]
-        routes = torch.arange(k, dtype=torch.int16).expand(b, longest, layers, k).clone()
+        routes = padding_routes(b, longest, layers, k, torch.int16)
     for i, s in enumerate(samples):
         n, start = lengths[i], len(s.prompt_ids)
         ids[i, :n] = torch.tensor(s.tokens)

@@ -8,17 +8,13 @@ of counts over micro-batches and data-parallel ranks) reproduces the exact globa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
 from megatron_rl.kernels import packed_gspo_loss, select_gspo_kernel
-from megatron_rl.megatron_backend.batch import TokenBatch
-
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
+from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 
 
 def build_rl_loss(algo: AlgoConfig) -> LossFn:

@@ -58,7 +58,7 @@ def main() -> None:
     for i in range(b):
         ids[i, lengths[i] :] = 3
     batch = TokenBatch(ids, lengths, starts)
-    scored = actor.compute_log_probs(batch, with_entropy=True, record_routes=True)
+    scored = actor.compute_log_probs(batch, with_entropy=True, route_mode="record")
     reference = ReferenceWeights(actor)
     advantages = torch.linspace(-1.0, 1.0, b)
     batch.fields["old_log_probs"] = scored.log_probs

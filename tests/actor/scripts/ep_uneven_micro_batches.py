@@ -24,7 +24,7 @@ def main() -> None:
     lengths = torch.tensor([20, 5, 20, 5, 20])
     ids = torch.randint(4, 100, (5, 20), generator=torch.Generator().manual_seed(0))
     batch = TokenBatch(ids, lengths, torch.tensor([3, 2, 3, 2, 3]))
-    scored = actor.compute_log_probs(batch, record_routes=True)
+    scored = actor.compute_log_probs(batch, route_mode="record")
 
     def loss_fn(logp, ent, mb):
         mask = mb.response_mask().float()

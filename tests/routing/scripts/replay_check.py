@@ -31,6 +31,7 @@ def main() -> None:
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.model_builder import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.route_pass import RoutePass
     from megatron_rl.routing.agreement import route_agreement
     from megatron_rl.routing.replay import RouteReplayError
 
@@ -58,16 +59,16 @@ def main() -> None:
     if args.second_model:  # a second model in the same process must not disturb the first one's replay
         second = MegatronActor.from_hf(args.model, layout, model_options=options, micro_batch_tokens=40)
 
-    rec = actor.compute_log_probs(batch, record_routes=True)
+    rec = actor.compute_log_probs(batch, route_mode="record")
     batch.routes = rec.routes
-    rep = actor.compute_log_probs(batch, replay_routes=True)
+    rep = actor.compute_log_probs(batch, route_mode="replay")
     out["replay_theta_old_max_diff"] = float((rep.log_probs - rec.log_probs).abs().max())
     first_replay = rep.log_probs
-    out["agreement_theta_old"] = actor.last_route_agreement.agreement
+    out["agreement_theta_old"] = rep.agreement.agreement
     if second is not None:
-        rep2 = second.compute_log_probs(batch, replay_routes=True)
+        rep2 = second.compute_log_probs(batch, route_mode="replay")
         out["second_model_max_diff"] = float((rep2.log_probs - rec.log_probs).abs().max())
-        rep = actor.compute_log_probs(batch, replay_routes=True)
+        rep = actor.compute_log_probs(batch, route_mode="replay")
         out["first_after_second_bitwise"] = torch.equal(rep.log_probs, first_replay)
 
     # Training pass at theta_old: the log-probs the loss sees must equal the recording pass bitwise.
@@ -85,7 +86,7 @@ def main() -> None:
         count = mask.sum().to(torch.int)
         return -(logp * mask).sum(), count, {}
 
-    actor.train_step(batch, loss_fn, replay_routes=True, lr=0.0)  # theta stays theta_old
+    actor.warmup_step(batch, loss_fn, lr=0.0, route_mode="replay")  # theta stays theta_old
     out["train_theta_old_max_logp_diff"] = seen["max_diff"]
     seen["max_diff"] = 0.0
 
@@ -95,16 +96,16 @@ def main() -> None:
         for h in actor.routers.handles:
             w = h.router.weight
             w.add_(torch.randn(w.shape, generator=g) * w.std())
-    actor._reload_main_params()
-    nat = actor.compute_log_probs(batch, record_routes=True)
+    actor.reload_main_params()
+    nat = actor.compute_log_probs(batch, route_mode="record")
     out["offline_agreement_after_perturb"] = route_agreement(rec.routes, nat.routes, valid).agreement
     offline = route_agreement(rec.routes, nat.routes, valid)
     out["offline_token_all_agree_after_perturb"] = offline.token_all_layers_agree
     out["offline_per_layer_after_perturb"] = offline.per_layer
-    rep = actor.compute_log_probs(batch, replay_routes=True)
-    out["replay_agreement_after_perturb"] = actor.last_route_agreement.agreement
-    out["replay_token_all_agree_after_perturb"] = actor.last_route_agreement.token_all_layers_agree
-    out["replay_per_layer_after_perturb"] = actor.last_route_agreement.per_layer
+    rep = actor.compute_log_probs(batch, route_mode="replay")
+    out["replay_agreement_after_perturb"] = rep.agreement.agreement
+    out["replay_token_all_agree_after_perturb"] = rep.agreement.token_all_layers_agree
+    out["replay_per_layer_after_perturb"] = rep.agreement.per_layer
     # Natural routing changed the log-probs; replay brings back different ones than natural routing.
     out["replay_differs_from_natural"] = not torch.equal(rep.log_probs, nat.log_probs)
 
@@ -125,7 +126,7 @@ def main() -> None:
         return step_fn()
 
     actor.optimizer.step = step_with_probe
-    metrics = actor.train_step(batch, loss_fn, replay_routes=True)
+    metrics = actor.train_step(batch, loss_fn, route_mode="replay")
     actor.optimizer.step = step_fn
     out["train_max_logp_diff"] = seen["max_diff"]
     out["train_metrics"] = {k: v for k, v in metrics.items() if k.startswith("routing/")}
@@ -134,34 +135,34 @@ def main() -> None:
     # Consumption check: a router that runs with no target set for it must be caught.
     try:
         bad = TokenBatch(ids, lengths, torch.full((b,), 4), routes=rec.routes)
-        orig = actor._set_replay_targets
+        orig = RoutePass._set_replay_targets
 
-        def skip_first(mb, chunk, calls=[0]):  # noqa: B006 - counter
+        def skip_first(self, mb, chunk, calls=[0]):  # noqa: B006 - counter
             calls[0] += 1
-            valid_ = orig(mb, chunk)
+            valid_ = orig(self, mb, chunk)
             if calls[0] == 1:
                 for h in actor.routers.handles:
                     h.router.router_replay.replay_backward_list.append(h.router.router_replay.target_topk_idx)
             return valid_
 
-        actor._set_replay_targets = skip_first
-        actor.compute_log_probs(bad, replay_routes=True)
+        RoutePass._set_replay_targets = skip_first
+        actor.compute_log_probs(bad, route_mode="replay")
         out["extra_route_caught"] = False
     except RouteReplayError as e:
         out["extra_route_caught"] = "not consumed exactly once" in str(e)
     finally:
-        actor._set_replay_targets = orig
+        RoutePass._set_replay_targets = orig
 
     # Off-by-one: routes shifted by one position (as an R3 layout slip would do), against aligned ones.
-    now = actor.compute_log_probs(batch, record_routes=True)
+    now = actor.compute_log_probs(batch, route_mode="record")
     batch.routes = now.routes
-    actor.compute_log_probs(batch, replay_routes=True)
-    out["aligned_agreement"] = actor.last_route_agreement.agreement
+    aligned = actor.compute_log_probs(batch, route_mode="replay")
+    out["aligned_agreement"] = aligned.agreement.agreement
     shifted = now.routes.clone()
     shifted[:, :-1] = now.routes[:, 1:]
     batch.routes = shifted
-    moved = actor.compute_log_probs(batch, replay_routes=True)
-    out["shifted_agreement"] = actor.last_route_agreement.agreement
+    moved = actor.compute_log_probs(batch, route_mode="replay")
+    out["shifted_agreement"] = moved.agreement.agreement
     out["shifted_logp_max_diff"] = float((moved.log_probs - now.log_probs).abs().max())
 
     if torch.distributed.get_rank() == 0:

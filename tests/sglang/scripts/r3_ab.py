@@ -25,8 +25,8 @@ def main() -> None:
     init_distributed(ParallelLayout(), seed=0)
     actor = MegatronActor.from_hf(model, ParallelLayout())
     batch = samples_to_batch(samples, advantages=torch.zeros(len(samples)), with_routes=True)
-    natural = actor.compute_log_probs(batch, record_routes=True)
-    replayed = actor.compute_log_probs(batch, replay_routes=True)
+    natural = actor.compute_log_probs(batch, route_mode="record")
+    replayed = actor.compute_log_probs(batch, route_mode="replay")
     mask = batch.response_mask()
     rollout = batch.fields["rollout_log_probs"][mask]
     result = {}

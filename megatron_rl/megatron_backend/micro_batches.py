@@ -1,0 +1,125 @@
+"""This rank's share of a batch: its data-parallel rows, their micro-batches, and the reassembled results.
+
+Row rule (owned here, asked for by routing replay): data-parallel rank r feeds rows r, r + dp, r + 2dp, ...
+of every batch it is given (`routing.cache.dp_shard_indices`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
+from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.routing.cache import dp_shard_indices
+
+
+def rows_of_this_rank(batch_size: int) -> list[int]:
+    """The rows of a `batch_size`-row batch this data-parallel rank feeds."""
+    from megatron.core import parallel_state as ps
+
+    return dp_shard_indices(batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def dp_shard(batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
+    """This rank's rows of `batch` and their indices."""
+    from megatron.core import parallel_state as ps
+
+    index = rows_of_this_rank(batch.size)
+    if not index:
+        dp = ps.get_data_parallel_world_size()
+        raise ValueError(f"batch of {batch.size} samples is smaller than the data-parallel size {dp}")
+    return batch.select(index), index
+
+
+def micro_batches(shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group) -> list[TokenBatch]:
+    """Micro-batches by token budget, as many on every data-parallel rank; under pipeline parallelism all get
+    one fixed shape.
+
+    Expert-parallel all-to-alls span data-parallel ranks, so every rank must run the same number of
+    micro-batches (a rank with fewer samples gets dummy rows). Megatron's variable-shape p2p path exchanges
+    shapes with batched send/recv, which mis-pairs messages when the previous and next stage are the same rank
+    (PP=2); fixed shapes avoid it.
+    """
+    from megatron.core import parallel_state as ps
+
+    multiple = layout.tp if layout.sequence_parallel else 1
+    groups = split_by_token_budget(shard.lengths.tolist(), max_tokens)
+    count = torch.tensor([len(groups)])
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    groups = regroup(groups, int(count))
+    if layout.pp == 1:
+        return [shard.select(g, pad_to_multiple=multiple, rows=max(len(g), 1)) for g in groups]
+    seq, rows = int(shard.lengths.max()), max(max(len(g) for g in groups), 1)
+    return [shard.select(g, pad_to_multiple=multiple, seq_len=seq, rows=rows) for g in groups]
+
+
+def regroup(groups: list[list[int]], count: int) -> list[list[int]]:
+    """Split the largest groups until there are `count` (empty groups, padded with a dummy row, when there are
+    fewer samples than micro-batches)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[largest]) <= 1:
+            groups.append([])
+            continue
+        half = len(groups[largest]) // 2
+        groups[largest : largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return groups
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+    return tensor
+
+
+def stack_rows(per_micro_batch: list[torch.Tensor], rows: int, s: int, pp_group) -> torch.Tensor:
+    """`[rows, s]`: the micro-batches' per-row values (computed on the last pipeline stage) stacked in order,
+    cut or zero-padded to width `s`, on every stage."""
+    out = torch.zeros(rows, s)
+    if is_last_stage():
+        row = 0
+        for values in per_micro_batch:
+            n, w = values.shape[0], min(values.shape[1], s)
+            out[row : row + n, :w] = values[:, :w]
+            row += n
+    return broadcast_from_last_stage(out, pp_group)
+
+
+def positions_below(lengths: torch.Tensor, s: int) -> torch.Tensor:
+    """Non-padding positions t in [1, length) (every token with a preceding context)."""
+    pos = torch.arange(s).unsqueeze(0)
+    return (pos >= 1) & (pos < lengths.unsqueeze(1))
+
+
+def gather_rows(tensors: dict[str, Any], index: list[int], total: int, dp_group) -> dict[str, Any]:
+    """Reassemble full-batch tensors from the data-parallel shards (rank r holds rows `rows_of_this_rank`)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return tensors
+    parts: list = [None] * dp
+    dist.all_gather_object(parts, (index, tensors), group=dp_group)
+    out: dict[str, Any] = {}
+    for name, first in parts[0][1].items():
+        if first is None:
+            out[name] = None
+            continue
+        merged = torch.zeros((total, *first.shape[1:]), dtype=first.dtype)
+        for idx, shard in parts:
+            merged[torch.tensor(idx)] = shard[name]
+        out[name] = merged
+    return out

@@ -1,0 +1,63 @@
+"""The rollout engine a run asks for: in-process transformers (`local`) or SGLang servers (connected to or
+launched with the command-line flags the config implies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config.schema import RLConfig
+from megatron_rl.rollout.engine import RolloutEngine
+
+
+def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
+    """The engine of `cfg.rollout`, serving the HF model in `model_dir` (the local engine runs on `device`)."""
+    if cfg.rollout.engine == "local":
+        from megatron_rl.rollout.local_engine import LocalEngine
+
+        return LocalEngine(model_dir, device=device, weight_version="step-0")
+    from megatron_rl.rollout.api_key import client_api_key, launch_api_key_file
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+    from megatron_rl.rollout.weight_sync import make_weight_sync
+
+    sg = cfg.rollout.sglang
+    if cfg.rollout.release_memory and device.type != "cuda":
+        raise ValueError(
+            "rollout.release_memory=true with rollout.engine=sglang needs GPUs: SGLang frees memory with "
+            "torch_memory_saver (CUDA only), and its CPU server exits on /release_memory_occupation; set "
+            "rollout.release_memory=false here"
+        )
+    if sg.urls:
+        api_key = client_api_key(sg.api_key_file, sg.api_key_env)
+        servers = SGLangServers.connect(list(sg.urls), router_url=sg.router_url or None, api_key=api_key)
+    else:
+        servers = SGLangServers.launch(
+            SGLangLaunchConfig(
+                model_path=str(model_dir),
+                python=sg.python,
+                num_servers=sg.num_servers,
+                ports=tuple(sg.base_port + i for i in range(sg.num_servers)),
+                extra_args=(*sglang_server_flags(cfg), *sg.extra_args),
+                log_dir=str(Path(cfg.trainer.output_dir) / "sglang_logs"),
+                startup_timeout_s=sg.startup_timeout_s,
+                router=sg.router,
+                router_policy=sg.router_policy,
+                api_key_file=str(launch_api_key_file(sg.api_key_file, cfg.trainer.output_dir)),
+            )
+        )
+    weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)
+    return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
+
+
+def sglang_server_flags(cfg: RLConfig) -> list[str]:
+    """`sglang.launch_server` flags implied by the config (parallelism, memory, R3 routes, memory release)."""
+    sg = cfg.rollout.sglang
+    flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
+    flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    if cfg.algo.routing_replay == "R3":
+        flags.append("--enable-return-routed-experts")
+    if cfg.rollout.release_memory:
+        flags.append("--enable-memory-saver")
+    return flags

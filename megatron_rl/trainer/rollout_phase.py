@@ -1,0 +1,87 @@
+"""The trainer's side of the rollout engine: one step's rollout (with server restarts) and the weight sync.
+
+The engine lives on rank 0 (`engine=None` elsewhere); every rank takes part in the weight export, so each
+function here is collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.trainer.colocation import ColocatedMemory
+from megatron_rl.trainer.step_metrics import rollout_metrics
+
+
+def collect_rollout(
+    cfg: Any, step: int, actor: MegatronActor, engine: RolloutEngine | None, data: Any, memory: ColocatedMemory
+) -> tuple[list, dict[str, float]]:
+    """Rank 0 collects the step's samples and shares them. When a rollout server dies or hangs, the engine
+    restarts it, every rank re-sends the current weights and the step's rollout is retried from the same
+    prompt position (at most `rollout.restarts_per_step` times)."""
+    restarts = 0
+    while True:
+        outcome: Any = None
+        if engine is not None:
+            position = data.state_dict()
+            try:
+                rollout = data.collect(engine, step)
+                outcome = (rollout.samples, {**rollout_metrics(rollout), "rollout/restarts": restarts})
+            except RolloutEngineError as err:
+                outcome = err
+                if restarts < cfg.rollout.restarts_per_step:
+                    try:
+                        restarted = engine.recover()
+                        print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
+                              flush=True)  # fmt: skip
+                        data.load_state_dict(position)
+                        outcome = "retry"
+                    except RolloutEngineError as failed:  # reported to every rank below, so none waits forever
+                        outcome = failed
+        outcome = broadcast_object(outcome)
+        if isinstance(outcome, RolloutEngineError):
+            raise RolloutEngineError(
+                f"step {step}: rollout failed {restarts + 1} times (rollout.restarts_per_step="
+                f"{cfg.rollout.restarts_per_step}): {outcome}"
+            ) from (outcome if engine is not None else None)
+        if outcome != "retry":
+            return outcome
+        restarts += 1
+        memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
+        sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=f"step {step}: re-sending the weights")
+        memory.for_rollout()
+
+
+def sync_weights(actor: MegatronActor, engine: RolloutEngine | None, cfg: Any, *, version: str) -> None:
+    """Stream the actor's weights (HF names) into the rollout engine (collective: every rank exports)."""
+    buckets = actor.export_hf(bucket_bytes=cfg.rollout.bucket_mb << 20)
+    if engine is None:
+        for _ in buckets:
+            pass
+        return
+    try:
+        engine.update_weights(buckets, version)
+    except RolloutEngineError:
+        for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
+            pass
+        raise
+
+
+def sync_or_defer(actor: MegatronActor, engine: RolloutEngine | None, cfg: Any, *, version: str, what: str) -> None:
+    """`sync_weights`, or, when the engine fails (rank 0 only), say so and leave the repair to the next rollout
+    (it restarts the server and re-sends the weights)."""
+    try:
+        sync_weights(actor, engine, cfg, version=version)
+    except RolloutEngineError as err:
+        print(f"{what} failed ({err}); recovering at the next rollout", flush=True)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,69 @@
+"""The metrics one RL step reports: rollout, trainer-vs-engine mismatch, and the updates' means."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl.algorithms import kl_penalty
+from megatron_rl.megatron_backend.batch import TokenBatch
+
+
+def rollout_metrics(rollout: Any) -> dict[str, float]:
+    """Rollout metrics; reward and accuracy are over every scored sample (dynamic sampling keeps a biased
+    subset), lengths over the kept ones."""
+    samples = rollout.samples
+    groups = rollout.kept_groups + rollout.dropped_groups + rollout.aborted_groups
+    metrics = {
+        "rollout/reward_mean": float(rollout.reward_stats.mean),
+        "rollout/filtered_group_frac": rollout.dropped_groups / max(groups, 1),
+        "rollout/tries": float(rollout.tries),
+        "rollout/batch_filled": float(rollout.filled),
+        "rollout/reward_errors": float(rollout.reward_stats.errors + rollout.reward_stats.timeouts),
+        "rollout/samples": float(len(samples)),
+    }
+    if samples:
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        task = torch.tensor([s.metadata.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
+        metrics.update(
+            {
+                "rollout/kept_reward_mean": float(rewards.mean()),
+                "rollout/kept_reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                "rollout/kept_accuracy": float((task > 0.5).float().mean()),
+                "rollout/response_len_mean": float(lengths.mean()),
+                "rollout/response_len_max": float(lengths.max()),
+                "rollout/truncated_frac": float(sum(s.truncated for s in samples) / len(samples)),
+            }
+        )
+    return metrics
+
+
+def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> dict[str, float]:
+    """Trainer vs rollout-engine log-probs of the same response tokens: mean |diff| and k3 KL."""
+    mask = batch.response_mask()
+    trainer, engine = old_log_probs[mask], batch.fields["rollout_log_probs"][mask]
+    return {
+        "mismatch/logp_abs_diff": float((trainer - engine).abs().mean()),
+        "mismatch/logp_abs_diff_max": float((trainer - engine).abs().max()),
+        "mismatch/k3_kl": float(kl_penalty(engine, trainer, "k3").mean()),
+        "actor/entropy_old": float(entropy[mask].mean()),
+    }
+
+
+def update_metrics(updates: list[dict[str, float]]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """`(metrics, routing)`: the mean of the updates' metrics as `actor/*`, with the first update's `ppo_kl`
+    (exactly 0 on-policy) and the last update's grad norm and LR, and each update's `routing/*` entries apart.
+    Updates skipped for a NaN/inf (`trainer.on_nonfinite=skip`) are counted, not averaged."""
+    applied = [u for u in updates if not u.pop("nonfinite_skipped", 0.0)]
+    metrics = {"actor/nonfinite_skipped": float(len(updates) - len(applied))}
+    updates = applied or updates
+    routing = [{k: u.pop(k) for k in list(u) if k.startswith("routing/")} for u in updates]
+    keys = set().union(*updates)
+    for k in keys:
+        metrics[k if k.startswith("actor/") else f"actor/{k}"] = sum(u.get(k, 0.0) for u in updates) / len(updates)
+    metrics["actor/ppo_kl_first"] = updates[0].get("actor/ppo_kl", 0.0)
+    metrics["actor/grad_norm"] = updates[-1]["grad_norm"]
+    metrics["actor/lr"] = updates[-1]["lr"]
+    return metrics, routing

@@ -1,0 +1,34 @@
+"""The supervised warm-up stage before RL: `warmup.sft_steps` steps on prompt -> answer pairs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import RLConfig
+from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.trainer.rl_loss import sft_loss
+
+
+def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data: Any) -> None:
+    """`warmup.sft_steps` steps at `warmup.sft_lr` on the synthetic task's SFT split; the LR schedule of the
+    RL stage does not move."""
+    from tqdm import tqdm
+
+    w = cfg.warmup
+    bar = tqdm(range(w.sft_steps), desc="supervised warm-up", disable=dist.get_rank() != 0)
+    for k in bar:
+        pairs = data.sft_pairs(w.sft_batch_size, start=k * w.sft_batch_size)
+        metrics = actor.warmup_step(pairs_to_batch(pairs), sft_loss, lr=w.sft_lr)
+        bar.set_postfix(nll=f"{metrics['sft/nll']:.3f}")
+
+
+def pairs_to_batch(pairs: list) -> TokenBatch:
+    lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pairs]
+    ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
+    for i, p in enumerate(pairs):
+        ids[i, : lengths[i]] = torch.tensor(p.prompt_ids + p.response_ids)
+    return TokenBatch(ids, torch.tensor(lengths), torch.tensor([len(p.prompt_ids) for p in pairs]))
