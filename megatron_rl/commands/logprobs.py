@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.megatron_backend.actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
-    from megatron_rl.megatron_backend.models import get_family
+    from megatron_rl.megatron_backend.models.architecture import model_dims
     from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
     hf = checkpoint.read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
-    dims = get_family(hf).dims(hf)
+    dims = model_dims(hf)
     samples = read_samples(Path(args.input), dims.vocab_size)
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     init_distributed(

@@ -17,7 +17,7 @@ experts that are never fed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -26,13 +26,26 @@ from megatron_rl.routing.cache import RouteCache
 from megatron_rl.routing.replay import ReplayMode
 
 
+class RouteShape(Protocol):
+    """What routes look like for a model (`megatron_backend.models.family.ModelDims` is one)."""
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def moe_layers(self) -> list[int]: ...
+
+
 class StepRoutes:
     """This rank's routes of one step's batch for R2/R3 (see the module docstring)."""
 
     def __init__(
         self,
         mode: ReplayMode,
-        dims: Any,
+        dims: RouteShape,
         epochs: list[list[list[int]]],
         *,
         rows_fed: Callable[[int], list[int]],

@@ -27,7 +27,8 @@ from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
-from megatron_rl.megatron_backend.models import get_family
+from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
@@ -79,7 +80,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
     with StopSignals(resume_command or run_dir.resume_command(cfg, None)) as stop:
         model_dir = prepare_model_dir(cfg)
         hf = read_hf_config(model_dir)
-        dims = get_family(hf).dims(hf)
+        dims = model_dims(hf)
         init_distributed(
             cfg.parallel,
             seed=cfg.trainer.seed,
@@ -121,7 +122,13 @@ def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:
 
 
 def _run(
-    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: Any, stop: StopSignals, engines: list, verbose: bool
+    cfg: RLConfig,
+    plan: run_dir.RunPlan,
+    model_dir: Path,
+    dims: ModelDims,
+    stop: StopSignals,
+    engines: list,
+    verbose: bool,
 ) -> TrainResult:
     rank0 = dist.get_rank() == 0
     parts, state = _build_parts(cfg, plan, model_dir, dims, engines)
@@ -173,7 +180,7 @@ def _run(
 
 
 def _build_parts(
-    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: Any, engines: list
+    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: ModelDims, engines: list
 ) -> tuple[StepParts, dict]:
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
