@@ -26,7 +26,7 @@ from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers
+from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
 from megatron_rl.rollout.weight_sync import (
     DiskWeightSync,
     DistributedWeightSync,
@@ -171,6 +171,20 @@ def test_throughput(engine: SGLangEngine):
     assert all(s.finish_reason in ("stop", "length") for s in samples)
 
 
+def _wait_until_held(servers: SGLangServers) -> dict:
+    """Poll SGLang's `/v1/loads` until the server holds a request (running or waiting) and return its load; the
+    deadline only bounds a failure."""
+    deadline = time.monotonic() + 60
+    while True:
+        (load,) = request_json(servers.urls[0], "/v1/loads?include=core", timeout_s=10, api_key=servers.api_key)[
+            "loads"
+        ]
+        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
+            return load
+        assert time.monotonic() < deadline, f"the server never held a request: {load}"
+        time.sleep(0.05)
+
+
 def test_abort_and_pause(servers: SGLangServers, engine: SGLangEngine):
     no_eos = SGLangEngine(servers, request_timeout_s=60, control_timeout_s=30, stop_on_eos=False)
     params = SamplingParams(max_new_tokens=240, temperature=1.0)
@@ -178,7 +192,7 @@ def test_abort_and_pause(servers: SGLangServers, engine: SGLangEngine):
     result: list = []
     worker = threading.Thread(target=lambda: result.extend(no_eos.generate(long_prompts, params)))
     worker.start()
-    time.sleep(0.5)
+    _wait_until_held(servers)  # generation is under way
     start = time.perf_counter()
     engine.abort()
     worker.join(60)
@@ -191,6 +205,8 @@ def test_abort_and_pause(servers: SGLangServers, engine: SGLangEngine):
     try:
         worker = threading.Thread(target=lambda: result.extend(engine.generate([[1, 7]], SamplingParams(8, 0.0))))
         worker.start()
+        # A request that arrives during a pause waits in SGLang's tokenizer manager, which /v1/loads does not
+        # count: nothing signals "held", so this negative check can only give it time.
         time.sleep(1.0)
         assert worker.is_alive()
     finally:
@@ -320,7 +336,7 @@ def test_the_key_is_on_no_command_line_and_in_no_log(servers: SGLangServers):
 def test_crash_clear_error_then_restart(servers: SGLangServers, tiny_models):
     engine = SGLangEngine(servers, request_timeout_s=10, control_timeout_s=5)
     servers.kill(0)
-    time.sleep(0.5)
+    servers._procs[0].wait(30)  # the server's process is gone
     start = time.perf_counter()
     with pytest.raises(SGLangServerError, match="unreachable|did not answer"):
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0.0))
