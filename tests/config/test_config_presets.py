@@ -108,7 +108,10 @@ def test_preset_sets_every_core_key_with_valid_names(name: str):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_is_valid_with_defaults(name: str):
-    load_config(None, ["model.hf_path=/models/m", f"algo.preset={name}"])
+    cfg = load_config(None, ["model.hf_path=/models/m", f"algo.preset={name}"])
+    assert cfg.algo.preset == name
+    resolved = preset_values(name, cfg.rollout.sampling.max_new_tokens)
+    assert {key: getattr(cfg.algo, key) for key in resolved} == resolved
 
 
 def test_dapo_overlong_buffer_matches_paper_at_paper_length():
