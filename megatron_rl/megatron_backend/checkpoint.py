@@ -1,14 +1,6 @@
 """Megatron distributed checkpoints of the actor: model, optimizer, LR schedule, RNG and trainer state.
 
-Layout of `<dir>/`:
-    step_000000020/           a complete checkpoint
-        megatron/             dist_checkpointing (torch_dist): model + optimizer, sharded per rank
-        rng/rank_00003.pt     each rank's RNG states (CPU, CUDA, Megatron's tracker)
-        trainer_state.json    step, the id of the run that wrote it, scheduler, data position, trainer state
-        hf_config.json        the architecture (HF config.json) the weights belong to
-        COMPLETE              written last
-    .tmp_step_000000030/      a save in progress (ignored, removed by the next save)
-    latest                    name of the newest complete checkpoint, replaced atomically
+The directory layout, the state files and the atomic publish are `checkpoint_format`'s.
 
 A save writes everything under a temporary name and renames it when every rank has finished, so a
 crash mid-save leaves the previous checkpoint as `latest`. Model weights reshard to any TP/EP/PP
@@ -20,14 +12,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
-import re
 import resource
 import shutil
 import signal
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +24,33 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.actor import MegatronActor, check_architecture
+from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.checkpoint_format import (
+    COMPLETE,
+    HF_CONFIG,
+    MEGATRON_DIR,
+    RNG_DIR,
+    CheckpointError,
+    error_summary,
+    fresh_staging_dir,
+    is_complete,
+    latest_checkpoint,
+    publish_checkpoint,
+    read_trainer_state,
+    remove_stale_staging,
+    rng_file,
+    scan_checkpoints,
+    staging_dir,
+    step_dir_name,
+    write_hf_config,
+    write_latest,
+    write_trainer_state,
+)
+from megatron_rl.megatron_backend.checkpoint_format import CheckpointScan as CheckpointScan  # re-exported
+from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_config as read_checkpoint_hf_config
+from megatron_rl.megatron_backend.checkpoint_format import resolve_checkpoint_dir as resolve_checkpoint_dir
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files, damaged, read_checkpoint_json
-
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
-COMPLETE = "COMPLETE"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or does not fit the model."""
+from megatron_rl.megatron_backend.models.architecture import check_same_architecture
 
 
 def _sharding_metadata() -> dict[str, Any]:
@@ -80,26 +87,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and platform.device().type == "cuda":
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """`path` if it is a complete checkpoint, else the newest complete checkpoint under it."""
-    path = Path(path)
-    found = path if (path / COMPLETE).is_file() else latest_checkpoint(path)
-    if found is None:
-        raise CheckpointError(
-            f"no complete checkpoint at {path} (a checkpoint directory holds {COMPLETE}, hf_config.json and megatron/)"
-        )
-    return found
-
-
-def read_checkpoint_hf_config(path: str | Path) -> dict:
-    """The HF config.json stored with a checkpoint (`path` is a checkpoint or a directory of them)."""
-    found = resolve_checkpoint_dir(path)
-    config = found / "hf_config.json"
-    if not config.is_file():
-        raise CheckpointError(f"{found} has no hf_config.json (written by an older version?)")
-    return read_checkpoint_json(found, "hf_config.json")
 
 
 def _inner_optimizers(actor: MegatronActor) -> list:
@@ -151,44 +138,6 @@ def _restore_adam_steps(actor: MegatronActor, steps: list[float | None]) -> None
                 state["step"] = torch.full_like(old, step) if torch.is_tensor(old) else step
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-@dataclass(frozen=True)
-class CheckpointScan:
-    """The checkpoints under one directory: complete ones (oldest first), incomplete ones (a `step_*` folder
-    without `COMPLETE`: damaged or copied half-way; a save in progress is a `.tmp_*` folder, not listed), and the
-    one to resume from (the one `latest` names if complete, else the newest complete one)."""
-
-    complete: tuple[Path, ...]
-    incomplete: tuple[Path, ...]
-    latest: Path | None
-
-
-def scan_checkpoints(root: str | Path) -> CheckpointScan:
-    root = Path(root)
-    steps = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and p.is_dir())
-    complete = tuple(p for p in steps if (p / COMPLETE).is_file())
-    incomplete = tuple(p for p in steps if not (p / COMPLETE).is_file())
-    pointer, latest = root / "latest", complete[-1] if complete else None
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if candidate in complete:
-            latest = candidate
-    return CheckpointScan(complete, incomplete, latest)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    return scan_checkpoints(root).latest
-
-
-def read_trainer_state(path: str | Path) -> dict:
-    """A checkpoint's trainer_state.json: step, run_id, the trainer's own state (cheap: no tensors)."""
-    return read_checkpoint_json(Path(path), "trainer_state.json")
-
-
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
 
 
@@ -231,7 +180,7 @@ def _reports_out_of_space(save):
         try:
             return save(actor, root, step, *args, **kwargs)
         except (Exception, CheckpointException) as err:
-            tmp = Path(root) / f".tmp_{step_dir_name(step)}"
+            tmp = staging_dir(Path(root) / step_dir_name(step))
             reason = _out_of_space(err, tmp)
             if reason is None:
                 raise
@@ -285,40 +234,37 @@ def save_checkpoint(
     root = Path(root)
     rank = dist.get_rank()
     final = root / step_dir_name(step)
-    tmp = root / f".tmp_{step_dir_name(step)}"
+    tmp = staging_dir(final)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        (tmp / "megatron").mkdir(parents=True)
-        (tmp / "rng").mkdir()
+        remove_stale_staging(root)
+        fresh_staging_dir(final)
+        (tmp / MEGATRON_DIR).mkdir()
+        (tmp / RNG_DIR).mkdir()
     dist.barrier()
     metadata = _sharding_metadata()
     state = _model_sharded_state_dict(actor, metadata)
     if actor.optimizer is not None:
         _init_unstepped_adam_state(actor)
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
-    dist_checkpointing.save(state, str(tmp / "megatron"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    dist_checkpointing.save(state, str(tmp / MEGATRON_DIR))
+    torch.save(_rng_state(), rng_file(tmp, rank))
     if rank == 0:
-        full_state = {
-            "step": step,
-            "actor_step": actor.step,
-            "scheduler": actor.scheduler.state_dict() if actor.scheduler is not None else None,
-            "adam_steps": _adam_steps(actor) if actor.optimizer is not None else None,
-            "trainer": trainer_state,
-            "world_size": dist.get_world_size(),
-            "run_id": run_id,
-        }
-        (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1, default=str))
-        (tmp / "hf_config.json").write_text(json.dumps(actor.hf_config, indent=1))
+        write_trainer_state(
+            tmp,
+            step=step,
+            actor_step=actor.step,
+            scheduler=actor.scheduler.state_dict() if actor.scheduler is not None else None,
+            adam_steps=_adam_steps(actor) if actor.optimizer is not None else None,
+            trainer=trainer_state,
+            world_size=dist.get_world_size(),
+            run_id=run_id,
+        )
+        write_hf_config(tmp, actor.hf_config)
     dist.barrier()
     if rank == 0:
-        (tmp / COMPLETE).write_text("ok\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write(root / "latest", final.name)
+        publish_checkpoint(tmp, final, overwrite=True)
+        write_latest(root, final)
         prune_checkpoints(root, keep_last, run_id)
     dist.barrier()
     return final
@@ -330,12 +276,12 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     path = Path(path)
-    if not (path / COMPLETE).is_file():
+    if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     check_checkpoint_files(path)  # a missing or truncated file is named before Megatron reads anything
-    saved = read_checkpoint_json(path, "trainer_state.json")
-    if (path / "hf_config.json").is_file():
-        check_architecture(actor.hf_config, read_checkpoint_json(path, "hf_config.json"), path)
+    saved = read_trainer_state(path)
+    if (path / HF_CONFIG).is_file():
+        check_same_architecture(actor.hf_config, read_checkpoint_json(path, HF_CONFIG), path)
     metadata = _sharding_metadata()
     state = _model_sharded_state_dict(actor, metadata)
     with_optimizer = load_optimizer and actor.optimizer is not None
@@ -345,10 +291,8 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
                 opt._init_optimizer_states_with_dummy_values()
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     try:
-        loaded = dist_checkpointing.load(state, str(path / "megatron"))
+        loaded = dist_checkpointing.load(state, str(path / MEGATRON_DIR))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
-        from megatron_rl.megatron_backend.conversion import error_summary
-
         raise CheckpointError(
             f"cannot load {path}: {error_summary(err)} (its files are all present at the sizes "
             "megatron/.metadata records: a file is corrupt inside, or the checkpoint was saved with other "
@@ -364,22 +308,14 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     if with_optimizer and actor.scheduler is not None and saved.get("scheduler"):
         actor.scheduler.load_state_dict(saved["scheduler"])
     actor.step = saved.get("actor_step", saved["step"])
-    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.is_file() and saved.get("world_size") == dist.get_world_size():
+    rng = rng_file(path, dist.get_rank())
+    if rng.is_file() and saved.get("world_size") == dist.get_world_size():
         try:
-            rng = torch.load(rng_file, weights_only=False)
+            rng_state = torch.load(rng, weights_only=False)
         except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle: the same for the user
-            from megatron_rl.megatron_backend.conversion import error_summary
-
-            raise damaged(path, f"{rng_file.relative_to(path)} is truncated/corrupt ({error_summary(err)})") from err
-        _set_rng_state(rng)
+            raise damaged(path, f"{rng.relative_to(path)} is truncated/corrupt ({error_summary(err)})") from err
+        _set_rng_state(rng_state)
     return saved["trainer"]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def prune_checkpoints(root: Path, keep_last: int, run_id: str | None) -> None:

@@ -11,8 +11,8 @@ TP/EP/PP/VPP layout (embedding rows are re-padded on load), and any layout's che
 - Megatron -> HF: a bucket of parameters at a time (`bucket_mb`, or one parameter) is read with
   `dist_checkpointing.load` and written as one safetensors shard (peak ~ the bucket plus one read buffer).
 
-The Megatron side is a complete checkpoint in the layout `checkpoint.py` reads (model only, step 0),
-with the architecture in `hf_config.json` and the HF extras (tokenizer, generation config) under `hf/`.
+The Megatron side is a complete checkpoint in `checkpoint_format`'s layout (model only, step 0), with the
+architecture in `hf_config.json` and the HF extras (tokenizer, generation config) under `hf/`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import resource
 import shutil
 import time
@@ -32,29 +31,32 @@ from typing import Literal
 import torch
 import yaml
 
+from megatron_rl.megatron_backend.checkpoint_format import (
+    HF_EXTRAS_DIR,
+    MEGATRON_DIR,
+    CheckpointError,
+    error_summary,
+    fresh_staging_dir,
+    publish_checkpoint,
+    read_checkpoint_hf_config,
+    resolve_checkpoint_dir,
+    write_hf_config,
+    write_trainer_state,
+)
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
-from megatron_rl.megatron_backend.distributed import free_port
 from megatron_rl.megatron_backend.hf_weights import (
+    SafetensorsIndex,
     WeightMismatchError,
-    _canonical,
-    _rules_by_name,
-    _SafetensorsIndex,
+    canonical_name,
     read_hf_config,
+    rules_by_name,
 )
 from megatron_rl.megatron_backend.models import get_family
+from megatron_rl.megatron_backend.models.architecture import check_same_architecture
 from megatron_rl.megatron_backend.models.family import HFConfig
+from megatron_rl.megatron_backend.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
+from megatron_rl.net import free_port
 
-# Files of an HF model directory besides config.json and the weights.
-HF_EXTRA_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -89,39 +91,38 @@ def hf_to_megatron(
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_rl.megatron_backend.checkpoint import COMPLETE
-
     start, start_rss = time.perf_counter(), current_rss()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir, role="HF_DIR of `megatron-rl convert hf-to-megatron HF_DIR OUT_DIR`")
     family = get_family(hf)
-    index = _SafetensorsIndex(hf_dir)
+    index = SafetensorsIndex(hf_dir)
     check_hf_tensors(hf, index, hf_dir)
     target = _resolve_dtype(dtype, hf)
-    tmp = _fresh_tmp(out_dir)
+    _check_new_output(out_dir)
+    tmp = fresh_staging_dir(out_dir)
     with _single_process_megatron():
         model = _meta_model(hf, target)
-        params = {_canonical(name): p for name, p in model.named_parameters()}
-        source = _HFTensorSource(index, _rules_by_name(family, hf), params, hf)
+        params = {canonical_name(name): p for name, p in model.named_parameters()}
+        source = _HFTensorSource(index, rules_by_name(family, hf), params, hf)
         source.check_shapes()
-        (tmp / "megatron").mkdir(parents=True)
+        (tmp / MEGATRON_DIR).mkdir()
         try:
             dist_checkpointing.save(
-                {"model": model.sharded_state_dict()}, str(tmp / "megatron"), _lazy_save_strategy(source)
+                {"model": model.sharded_state_dict()}, str(tmp / MEGATRON_DIR), _lazy_save_strategy(source)
             )
         except CheckpointException as err:  # a BaseException: make it an ordinary error naming the cause
-            raise RuntimeError(f"writing {tmp / 'megatron'} failed: {error_summary(err)}") from err
-    trainer_state = {"step": 0, "actor_step": 0, "scheduler": None, "adam_steps": None, "world_size": 1,
-                     "trainer": {"step": 0, "converted_from": str(hf_dir)}}  # fmt: skip
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    (tmp / "hf_config.json").write_text(json.dumps(hf, indent=1))
-    _copy_extras(hf_dir, tmp / "hf")
-    (tmp / COMPLETE).write_text("ok\n")
-    _finish(tmp, out_dir)
+            raise RuntimeError(f"writing {tmp / MEGATRON_DIR} failed: {error_summary(err)}") from err
+    write_trainer_state(tmp, step=0, actor_step=0, scheduler=None, adam_steps=None, world_size=1, run_id=None,
+                        trainer={"step": 0, "converted_from": str(hf_dir)})  # fmt: skip
+    write_hf_config(tmp, hf)
+    if hf_dir.is_dir():
+        (tmp / HF_EXTRAS_DIR).mkdir()
+        copy_files(hf_dir, tmp / HF_EXTRAS_DIR, HF_EXTRA_FILES)
+    publish_checkpoint(tmp, out_dir, overwrite=False)
     return _report(source.tensors, source.bytes, start, source.largest, start_rss)
 
 
-def check_hf_tensors(hf: HFConfig, index: _SafetensorsIndex, where: Path) -> None:
+def check_hf_tensors(hf: HFConfig, index: SafetensorsIndex, where: Path) -> None:
     """Refuse safetensors that do not fit config.json, naming the config field and both values."""
     dims = get_family(hf).dims(hf)
     names = index.names()
@@ -155,7 +156,7 @@ def check_hf_tensors(hf: HFConfig, index: _SafetensorsIndex, where: Path) -> Non
 class _HFTensorSource:
     """Builds a Megatron parameter from HF tensors on demand; the writer asks for views of it."""
 
-    def __init__(self, index: _SafetensorsIndex, rules: dict, params: dict[str, torch.nn.Parameter], hf: HFConfig):
+    def __init__(self, index: SafetensorsIndex, rules: dict, params: dict[str, torch.nn.Parameter], hf: HFConfig):
         self.index, self.rules, self.params, self.hf = index, rules, params, hf
         self._by_storage = {p.untyped_storage()._cdata: name for name, p in params.items()}
         self._cached: tuple[str, torch.Tensor] | None = None
@@ -257,57 +258,50 @@ def megatron_to_hf(
     (refused otherwise). `dtype`: of the written tensors; "auto" = the config's `torch_dtype`. Tensors are read
     and written in groups of at most `bucket_mb` MiB (one safetensors shard each).
     """
-    from safetensors.torch import save_file
-
-    from megatron_rl.megatron_backend import checkpoint as ckpt
-
     start, start_rss = time.perf_counter(), current_rss()
-    path = ckpt.resolve_checkpoint_dir(checkpoint_dir)
+    path = resolve_checkpoint_dir(checkpoint_dir)
     check_checkpoint_files(path)  # a missing or truncated file is named before anything is read
-    hf = ckpt.read_checkpoint_hf_config(path)
+    hf = read_checkpoint_hf_config(path)
     if expect_config is not None:
-        from megatron_rl.megatron_backend.actor import check_architecture
-
-        check_architecture(read_hf_config(expect_config, role="--expect-config"), hf, path)
+        check_same_architecture(read_hf_config(expect_config, role="--expect-config"), hf, path)
     family = get_family(hf)
     dims = family.dims(hf)
     target = _resolve_dtype(dtype, hf)
-    rules = _rules_by_name(family, hf)
-    tmp = _fresh_tmp(Path(out_dir))
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    tensors = total = largest = 0
-    with _single_process_megatron():
-        model = _meta_model(hf, _stored_dtype(path / "megatron"))
-        for shard, group in enumerate(_groups(model.sharded_state_dict(), bucket_mb << 20), start=1):
-            file = f"model-{shard:05d}.safetensors"
-            out: dict[str, torch.Tensor] = {}
-            for name, full in _load_group(group, path / "megatron").items():
+    rules = rules_by_name(family, hf)
+    out_dir = Path(out_dir)
+    _check_new_output(out_dir)
+    largest = 0
+
+    def shards(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        nonlocal largest
+        for group in _groups(model.sharded_state_dict(), bucket_mb << 20):
+            shard: list[tuple[str, torch.Tensor]] = []
+            for name, full in _load_group(group, path / MEGATRON_DIR).items():
                 if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                     if dims.tie_word_embeddings and name == "output_layer.weight":
                         continue
                     full = full[: dims.vocab_size]
                 largest = max(largest, full.nbytes)
-                for hf_name, tensor in zip(rules[name].hf, rules[name].to_hf(full), strict=True):
-                    out[hf_name] = tensor.to(target).contiguous()
-            if not out:
-                continue
-            save_file(out, str(tmp / file), metadata={"format": "pt"})
-            for hf_name, tensor in out.items():
-                weight_map[hf_name] = file
-                tensors += 1
-                total += tensor.nbytes
-            del out
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = {**hf, "torch_dtype": _HF_DTYPE_NAMES[target]}
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    notes = _copy_checkpoint_extras(path, tmp, Path(out_dir), hf_extras_from)
-    if not (tmp / "generation_config.json").is_file():
-        generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
-    _finish(tmp, Path(out_dir))
-    return replace(_report(tensors, total, start, largest, start_rss), notes=notes)
+                shard += [
+                    (n, t.to(target).contiguous()) for n, t in zip(rules[name].hf, rules[name].to_hf(full), strict=True)
+                ]
+            yield shard  # an empty one (only a tied output layer) writes no file
+
+    notes: tuple[str, ...] = ()
+
+    def non_weight_files(staging: Path) -> None:
+        nonlocal notes
+        config = {**hf, "torch_dtype": _HF_DTYPE_NAMES[target]}
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        notes = _copy_checkpoint_extras(path, staging, out_dir, hf_extras_from)
+        if not (staging / "generation_config.json").is_file():
+            generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+            (staging / "generation_config.json").write_text(json.dumps(generation, indent=1))
+
+    with _single_process_megatron():
+        model = _meta_model(hf, _stored_dtype(path / MEGATRON_DIR))
+        written = write_safetensors_dir(out_dir, shards(model), extra_files=non_weight_files, overwrite=False)
+    return replace(_report(written.tensors, written.bytes, start, largest, start_rss), notes=notes)
 
 
 def _extras_sources(checkpoint: Path, explicit: str | Path | None) -> list[tuple[Path, str]]:
@@ -320,7 +314,7 @@ def _extras_sources(checkpoint: Path, explicit: str | Path | None) -> list[tuple
         if not Path(explicit).is_dir():
             raise FileNotFoundError(f"--hf-extras {explicit} is not a directory (an HF model directory is expected)")
         return [(Path(explicit), f"--hf-extras {explicit}")]
-    sources = [(checkpoint / "hf", f"{checkpoint / 'hf'}")]
+    sources = [(checkpoint / HF_EXTRAS_DIR, f"{checkpoint / HF_EXTRAS_DIR}")]
     if checkpoint.parent.name != "checkpoints":
         return sources
     run = checkpoint.parent.parent
@@ -372,9 +366,7 @@ def _copy_checkpoint_extras(checkpoint: Path, dest: Path, out: Path, explicit: s
             "--hf-extras /path/to/hf_model (the model the checkpoint was trained from)"
         )
     else:
-        for name in tokenizer_files:
-            if (tokenizer_dir / name).is_file():
-                shutil.copy2(tokenizer_dir / name, dest / name)
+        copy_files(tokenizer_dir, dest, tokenizer_files)
     generation_dir = first_holding(["generation_config.json"])
     if generation_dir is None:
         notes.append(
@@ -425,8 +417,6 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from megatron_rl.megatron_backend.checkpoint import CheckpointError
-
     buffers = {k: replace(v, data=torch.empty(v.data.shape, dtype=v.data.dtype)) for k, v in group.items()}
     try:
         loaded = dist_checkpointing.load(buffers, str(megatron_dir))
@@ -436,7 +426,7 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
             "at the sizes megatron/.metadata records, so the checkpoint does not hold the architecture its "
             "hf_config.json describes (or a file is corrupt inside)"
         ) from err
-    return {_canonical(k): v for k, v in loaded.items() if k in group}
+    return {canonical_name(k): v for k, v in loaded.items() if k in group}
 
 
 # ---------------------------------------------------------------------------------------------- shared
@@ -454,14 +444,6 @@ def _single_process_megatron() -> Iterator[None]:
         yield
     finally:
         shutdown()
-
-
-def error_summary(err: BaseException, limit: int = 400) -> str:
-    """One line for an error whose text may hold tracebacks (torch DCP's CheckpointException)."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
-    line = named[-1] if named else (lines[0] if lines else type(err).__name__)
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _meta_model(hf: HFConfig, dtype: torch.dtype):
@@ -490,28 +472,9 @@ def _arch_summary(hf: HFConfig) -> str:
     return ", ".join(f"{k}={hf[k]}" for k in keys if k in hf)
 
 
-def _fresh_tmp(out: Path) -> Path:
+def _check_new_output(out: Path) -> None:
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"output {out} exists and is not empty: choose a new output directory or remove it")
-    tmp = out.with_name(f".tmp_{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    return tmp
-
-
-def _finish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()  # empty (checked by _fresh_tmp)
-    os.replace(tmp, out)
-
-
-def _copy_extras(source: Path, dest: Path) -> None:
-    if not source.is_dir():
-        return
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in HF_EXTRA_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, dest / name)
 
 
 def _report(tensors: int, nbytes: int, start: float, largest: int, start_rss: int) -> ConversionReport:

@@ -80,7 +80,7 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
         model = unwrap_model(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []
         for name, param in model.named_parameters():
-            name = _canonical(name)
+            name = canonical_name(name)
             layer_match = _LAYER.match(name)
             if layer_match:
                 global_layer = layers[int(layer_match.group(1))].layer_number - 1
@@ -104,14 +104,16 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     return module
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """A parameter name in the local-spec spelling our weight rules use (Transformer Engine names mapped)."""
     for te_name, local_name in _TE_ALIASES:
         if name.endswith(te_name):
             return name[: -len(te_name)] + local_name
     return name
 
 
-def _rules_by_name(family: ModelFamily, hf: HFConfig) -> dict[str, WeightRule]:
+def rules_by_name(family: ModelFamily, hf: HFConfig) -> dict[str, WeightRule]:
+    """The family's weight rules keyed by Megatron parameter name (with tied embeddings, the output layer too)."""
     rules = {rule.megatron: rule for rule in family.weight_rules(hf)}
     if family.dims(hf).tie_word_embeddings:
         # With tied embeddings the last pipeline stage still holds its own copy of the output layer.
@@ -137,7 +139,7 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=0)
 
 
-class _SafetensorsIndex:
+class SafetensorsIndex:
     """Lazy, per-tensor access to the safetensors files of an HF model directory."""
 
     def __init__(self, model_dir: Path):
@@ -174,8 +176,8 @@ def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: Mode
     """Fill this rank's shards of `chunks` from an HF checkpoint directory (each rank reads only its tensors)."""
     model_dir = Path(model_dir)
     dims = family.dims(hf)
-    rules = _rules_by_name(family, hf)
-    index = _SafetensorsIndex(model_dir)
+    rules = rules_by_name(family, hf)
+    index = SafetensorsIndex(model_dir)
     expected = {name for rule in family.weight_rules(hf) for name in rule.hf}
     unexpected = sorted(n for n in index.names() - expected if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
@@ -241,7 +243,7 @@ def export_hf_weights(
     tensor (P3's weight sync and P7's converter then decide which rank writes or sends it).
     """
     dims = family.dims(hf)
-    rules = _rules_by_name(family, hf)
+    rules = rules_by_name(family, hf)
     mine = {item.global_name: item for item in local_params(chunks, dims.num_experts)}
     if dims.tie_word_embeddings:
         mine.pop("output_layer.weight", None)

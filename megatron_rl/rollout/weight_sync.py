@@ -22,7 +22,6 @@ authenticated API (docs/security.md says what that does and does not protect).
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import pickle
 import secrets
@@ -39,11 +38,11 @@ from typing import Protocol
 
 import torch
 
+from megatron_rl.megatron_backend.safetensors_files import copy_files, is_weights_file, write_safetensors_dir
+from megatron_rl.rollout.engine import NamedTensorBucket
 from megatron_rl.rollout.sglang_server import SGLangServerError, request_json
 
 logger = logging.getLogger(__name__)
-
-NamedTensorBucket = list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -376,7 +375,7 @@ def _new_process_group(
 class DiskWeightSync:
     """Safetensors shards in `directory` (shared with the servers), then `/update_weights_from_disk`."""
 
-    directory: str = ""  # "" = a fresh temporary directory per update
+    directory: str = ""  # replaced as a whole by each update; "" = a fresh temporary directory per update
     base_model_dir: str = ""  # non-weight files (config, tokenizer) to copy; "" = the served model_path
     keep: bool = False  # keep the written checkpoint after the update
 
@@ -399,26 +398,16 @@ class DiskWeightSync:
     ) -> SyncReport:
         import tempfile
 
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
         out = Path(self.directory or tempfile.mkdtemp(prefix="megatron_rl_weights_"))
-        out.mkdir(parents=True, exist_ok=True)
         if not self._base:
             self._base = request_json(urls[0], "/model_info", timeout_s=timeout_s, api_key=api_key)["model_path"]
         base = Path(self._base)
-        for f in base.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, out / f.name)
-        shards: list[tuple[str, list[str]]] = []
-        tensors, nbytes = 0, 0
-        for i, bucket in enumerate(buckets):
-            name = f"model-{i + 1:05d}.safetensors"
-            save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket}, str(out / name))
-            shards.append((name, [n for n, _ in bucket]))
-            tensors, nbytes = tensors + len(bucket), nbytes + _nbytes(bucket)
-        index = {"metadata": {"total_size": nbytes}, "weight_map": {n: f for f, names in shards for n in names}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+        def copy_base_files(staging: Path) -> None:
+            copy_files(base, staging, [f.name for f in base.iterdir() if f.is_file() and not is_weights_file(f.name)])
+
+        written = write_safetensors_dir(out, buckets, extra_files=copy_base_files)
         body = {"model_path": str(out), "weight_version": version, "flush_cache": True}
         _each(
             urls,
@@ -430,7 +419,7 @@ class DiskWeightSync:
         )
         if not self.keep and not self.directory:
             shutil.rmtree(out, ignore_errors=True)
-        return SyncReport("disk", tensors, len(shards), nbytes, time.perf_counter() - start)
+        return SyncReport("disk", written.tensors, written.shards, written.bytes, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------- verification
