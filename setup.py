@@ -49,6 +49,7 @@ setup(
             "pytest-timeout",
             "pytest-xdist>=3.5",  # the suite runs on two workers (pyproject.toml addopts)
             "ruff>=0.6",
+            "mypy==2.4.1",  # pyproject.toml [tool.mypy]: `python -m mypy` checks megatron_rl
             "triton==3.7.1; platform_machine == 'x86_64'",
             "pyarrow>=15",
         ],
