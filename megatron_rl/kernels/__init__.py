@@ -24,6 +24,7 @@ from megatron_rl.kernels.chunked_logprob import chunked_logprobs_and_entropy
 from megatron_rl.kernels.gspo import (
     GSPOImpl,
     GSPOKernel,
+    GSPOVariant,
     PackedPolicyLoss,
     packed_gspo_applies,
     packed_gspo_loss,
@@ -36,6 +37,7 @@ from megatron_rl.kernels.triton_support import check_triton_can_run, triton_avai
 __all__ = [
     "GSPOImpl",
     "GSPOKernel",
+    "GSPOVariant",
     "Impl",
     "PackedPolicyLoss",
     "packed_gspo_applies",
@@ -91,8 +93,8 @@ def token_logprobs_and_entropy(
             valid_vocab_size=valid_vocab_size, temperature=temperature, with_entropy=with_entropy,
         )  # fmt: skip
     tp_group, vocab_start_index = check_logprob_args(logits, targets, tp_group, vocab_start_index, temperature)
-    kwargs = {"tp_group": tp_group, "vocab_start_index": vocab_start_index, "valid_vocab_size": valid_vocab_size,
-              "temperature": float(temperature)}  # fmt: skip
+    kwargs: dict[str, Any] = {"tp_group": tp_group, "vocab_start_index": vocab_start_index,
+                              "valid_vocab_size": valid_vocab_size, "temperature": float(temperature)}  # fmt: skip
     if chosen == "triton":
         check_triton_can_run(logits, "token_logprobs_and_entropy")
         from megatron_rl.kernels.triton_logprob import triton_logprobs_and_entropy

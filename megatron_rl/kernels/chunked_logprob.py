@@ -13,9 +13,11 @@ gradient and contribute ``0 * log 0 := 0`` to the entropy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from megatron_rl.kernels.shard_stats import (
@@ -103,6 +105,7 @@ def shard_grad(
             if grad_logprobs is not None:
                 coefficient.add_(grad_logprobs[rows, None])
         else:
+            assert grad_logprobs is not None, "returned early when neither output has a gradient"
             coefficient = log_p.copy_(grad_logprobs[rows, None].expand_as(log_p))
         g = coefficient.mul_(p).neg_()
         g.masked_fill_(p == 0, 0.0)  # -inf logits: 0 * (-inf) would be NaN
@@ -119,7 +122,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,  # torch's FunctionCtx stub declares neither saved_tensors nor the attributes stored on it
         logits: Tensor,
         targets: Tensor,
         group: ProcessGroup | None,
@@ -141,7 +144,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
+    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
         logits, targets, *row_stats = ctx.saved_tensors
         vocab_start_index, n_valid, temperature, chunk_rows = ctx.shard
         flat = logits.reshape(-1, logits.shape[-1])

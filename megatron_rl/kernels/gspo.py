@@ -28,11 +28,11 @@ branches are ``-A s``).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 
 from megatron_rl.algorithms.ratios import LOG_RATIO_BOUND
 from megatron_rl.kernels.triton_support import check_triton_can_run, triton_preferred
@@ -40,6 +40,7 @@ from megatron_rl.kernels.triton_support import check_triton_can_run, triton_pref
 __all__ = [
     "GSPOImpl",
     "GSPOKernel",
+    "GSPOVariant",
     "PackedPolicyLoss",
     "packed_gspo_applies",
     "packed_gspo_loss",
@@ -47,7 +48,7 @@ __all__ = [
     "select_gspo_kernel",
 ]
 
-Variant = Literal["gspo", "gspo_token"]
+GSPOVariant = Literal["gspo", "gspo_token"]
 GSPOImpl = Literal["auto", "torch", "triton"]
 GSPOKernel = Literal["auto", "reference", "torch", "triton"]
 """``algo.gspo_kernel``: a packed implementation, ``"reference"`` (``policy_loss`` on the padded batch) or auto."""
@@ -71,7 +72,7 @@ def _forward_and_grad(
     rollout_weights: Tensor | None,
     clip_low: float,
     clip_high: float,
-    variant: Variant,
+    variant: GSPOVariant,
 ) -> tuple[PackedPolicyLoss, Tensor]:
     dtype = log_probs.dtype if log_probs.dtype in (torch.float32, torch.float64) else torch.float32
     device = log_probs.device
@@ -122,7 +123,7 @@ def _forward_and_grad(
     return metrics, grad
 
 
-def resolve_gspo_impl(impl: GSPOImpl, log_probs: Tensor) -> str:
+def resolve_gspo_impl(impl: GSPOImpl, log_probs: Tensor) -> Literal["torch", "triton"]:
     """The concrete implementation ``impl`` stands for with these log-probs."""
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
@@ -136,7 +137,9 @@ def packed_gspo_applies(loss: str, agg: str) -> bool:
     return loss in ("gspo", "gspo_token") and agg == "seq-mean-token-mean"
 
 
-def select_gspo_kernel(kernel: GSPOKernel, log_probs: Tensor, *, loss: str, agg: str) -> str:
+def select_gspo_kernel(
+    kernel: GSPOKernel, log_probs: Tensor, *, loss: str, agg: str
+) -> Literal["reference", "torch", "triton"]:
     """``"reference"``, ``"torch"`` or ``"triton"``: what the trainer's ``kernel`` stands for with these log-probs.
 
     An explicit kernel is returned as given (config validation refuses a packed one where it does not apply).
@@ -150,27 +153,35 @@ def select_gspo_kernel(kernel: GSPOKernel, log_probs: Tensor, *, loss: str, agg:
     return "triton" if packed_gspo_applies(loss, agg) and triton_preferred(log_probs) else "reference"
 
 
+# old_log_probs, advantages, cu_seqlens, loss_mask, rollout_weights, clip_low, clip_high
+_Constants = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, float, float]
+
+
 class _PackedGSPO(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, log_probs: Tensor, impl: str, variant: Variant, *args: object
+        ctx: Any,  # torch's FunctionCtx stub declares neither saved_tensors nor the attributes stored on it
+        log_probs: Tensor,
+        impl: str,
+        variant: GSPOVariant,
+        *args: *_Constants,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if impl == "triton":
             from megatron_rl.kernels.triton_gspo import triton_gspo_forward_and_grad
 
-            *out, grad, scale = triton_gspo_forward_and_grad(log_probs, *args, token_grad=variant == "gspo_token")
-            out = PackedPolicyLoss(*out)
+            *stats, grad, scale = triton_gspo_forward_and_grad(log_probs, *args, token_grad=variant == "gspo_token")
+            out = PackedPolicyLoss(*stats)
         else:
             out, grad = _forward_and_grad(log_probs, *args, variant)
             scale = torch.ones((), dtype=grad.dtype, device=grad.device)
         ctx.save_for_backward(grad, scale)
         ctx.log_probs_dtype = log_probs.dtype
         ctx.mark_non_differentiable(out.seq_ratio, out.clip_frac_low, out.clip_frac_high)
-        return tuple(out)
+        return out.loss, out.seq_ratio, out.clip_frac_low, out.clip_frac_high
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_loss: Tensor, *unused: Tensor) -> tuple:
+    def backward(ctx: Any, grad_loss: Tensor, *unused: Tensor) -> tuple:
         grad, scale = ctx.saved_tensors
         return (grad * (grad_loss * scale)).to(ctx.log_probs_dtype), *([None] * 10)
 
@@ -184,7 +195,7 @@ def packed_gspo_loss(
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    variant: Variant = "gspo",
+    variant: GSPOVariant = "gspo",
     rollout_weights: Tensor | None = None,
     impl: GSPOImpl = "auto",
 ) -> PackedPolicyLoss:

@@ -20,10 +20,12 @@ replicated outputs: each rank receives the full upstream gradient and returns th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 __all__ = ["token_logprobs_and_entropy"]
@@ -102,7 +104,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,  # torch's FunctionCtx stub declares neither saved_tensors nor the attributes stored on it
         logits: Tensor,
         targets: Tensor,
         group: ProcessGroup | None,
@@ -128,7 +130,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
+    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None, None
         logits, targets, row_max, log_sum_exp, entropy = ctx.saved_tensors
@@ -138,7 +140,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None
 
 
-def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> None:
+def _all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> None:
     """In-place all-reduce over ``group``; a no-op when the vocabulary is not split."""
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
@@ -223,10 +225,13 @@ def _shard_grad(
     p = log_p.exp()
     # grad_z = -p * (g_lp + g_H * (log p + H)) + g_lp * onehot; the bracket is built in place in log_p's buffer.
     if grad_entropy is not None:
+        if entropy is None:
+            raise RuntimeError("a gradient reached the entropy, but the forward ran with with_entropy=False")
         coefficient = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
         if grad_logprobs is not None:
             coefficient.add_(grad_logprobs.unsqueeze(-1))
     else:
+        assert grad_logprobs is not None, "backward returns early when neither output has a gradient"
         coefficient = log_p.copy_(grad_logprobs.unsqueeze(-1).expand_as(log_p))
     grad = coefficient.mul_(p).neg_()
     if grad_logprobs is not None:

@@ -15,11 +15,13 @@ Only plain ``tl.*`` operations are used, so the same source runs compiled on a G
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from megatron_rl.kernels.shard_stats import (
@@ -170,7 +172,7 @@ def _as_rows(logits: Tensor) -> Tensor:
 class _TritonLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,  # torch's FunctionCtx stub declares neither saved_tensors nor the attributes stored on it
         logits: Tensor,
         targets: Tensor,
         group: ProcessGroup | None,
@@ -195,7 +197,7 @@ class _TritonLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
+    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
         logits, flat_targets, *row_stats = ctx.saved_tensors
         vocab_start_index, n_valid, temperature = ctx.shard
         if grad_logprobs is None and grad_entropy is None:

@@ -8,12 +8,14 @@ of counts over micro-batches and data-parallel ranks) reproduces the exact globa
 
 from __future__ import annotations
 
+from typing import Literal, cast
+
 import torch
 
 from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
-from megatron_rl.kernels import packed_gspo_loss, select_gspo_kernel
+from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
 from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 
 
@@ -75,20 +77,21 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
     return with_count
 
 
-def gspo_kernel(algo: AlgoConfig, log_probs: torch.Tensor) -> str:
+def gspo_kernel(algo: AlgoConfig, log_probs: torch.Tensor) -> Literal["reference", "torch", "triton"]:
     """``reference``, ``torch`` or ``triton``: the implementation ``algo.gspo_kernel`` stands for here."""
     return select_gspo_kernel(algo.gspo_kernel, log_probs, loss=algo.loss, agg=algo.agg)
 
 
-def _packed_gspo(algo: AlgoConfig, kernel: str, log_probs, old, adv, mask, weights):
+def _packed_gspo(algo: AlgoConfig, kernel: GSPOImpl, log_probs, old, adv, mask, weights):
     """``packed_gspo_loss`` on the micro-batch's rows (one packed sequence per row), with ``policy_loss``'s
     metrics: clip fractions from the kernel, ``ppo_kl`` and the sequence-ratio statistics over valid tokens."""
     b, s = log_probs.shape
     valid = mask > 0
     cu_seqlens = torch.arange(0, b * s + 1, s, device=log_probs.device)
+    # A packed kernel is chosen only for gspo/gspo_token (config validation; packed_gspo_loss checks it again).
     out = packed_gspo_loss(
         log_probs.reshape(-1), old.reshape(-1), adv.reshape(-1), cu_seqlens, valid.reshape(-1),
-        clip_low=algo.clip_low, clip_high=algo.clip_high, variant=algo.loss,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, variant=cast(GSPOVariant, algo.loss),
         rollout_weights=None if weights is None else weights.reshape(-1), impl=kernel,
     )  # fmt: skip
     with torch.no_grad():
