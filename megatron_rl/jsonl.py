@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, row
 
 
-def require_keys(row: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+def require_keys(row: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
     """JsonlError `"<where>: missing key 'k' (has [...])"` for the first of `keys` absent from `row`."""
     for key in keys:
         if key not in row:

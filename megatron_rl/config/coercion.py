@@ -138,11 +138,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise _bad(key, value, tp)
     origin = typing.get_origin(tp)
     if origin is Literal:
-        options = typing.get_args(tp)
-        if any(value == o and type(value) is type(o) for o in options):
+        allowed = typing.get_args(tp)
+        if any(value == o and type(value) is type(o) for o in allowed):
             return value
         raise ConfigError(
-            f"{key}={value!r}: must be one of {', '.join(repr(o) for o in options)}{suggest(value, map(str, options))}"
+            f"{key}={value!r}: must be one of {', '.join(repr(o) for o in allowed)}{suggest(value, map(str, allowed))}"
         )
     if origin is tuple:
         items = list(value) if isinstance(value, list | tuple) else [value]
@@ -248,7 +248,8 @@ def _plain(value: Any) -> Any:
 
 def to_dict(obj: Any) -> dict[str, Any]:
     """A config dataclass as nested plain dicts/lists/scalars (YAML-ready), in field order."""
-    return {name: _plain(getattr(obj, name)) for name in field_specs(type(obj))}
+    cls: type = type(obj)  # mypy wrongly finds type[Any] unhashable for the cache
+    return {name: _plain(getattr(obj, name)) for name in field_specs(cls)}
 
 
 def walk_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, FieldSpec]]:

@@ -37,7 +37,7 @@ _TAG = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_TAG + "bool", _TAG + "int", _TAG + "float", _TAG + "timestamp"}
 
 
-def _add_12_resolvers(cls: type) -> None:
+def _add_12_resolvers(cls: type[yaml.SafeLoader] | type[yaml.SafeDumper]) -> None:
     cls.add_implicit_resolver(_TAG + "bool", _BOOL_12, list("tTfF"))
     cls.add_implicit_resolver(_TAG + "int", _INT_12, list("-+0123456789"))
     cls.add_implicit_resolver(_TAG + "float", _FLOAT_12, list("-+.0123456789"))

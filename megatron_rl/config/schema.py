@@ -317,7 +317,7 @@ class LoggingConfig:
     log_every: int = setting(1, help="print and log metrics every N steps", ge=1)
     plot: bool = setting(True, help="write PNG plots of the main metrics to output_dir at the end")
 
-    def resolved_wandb_mode(self, environ: Mapping[str, str] | None = None) -> str:
+    def resolved_wandb_mode(self, environ: Mapping[str, str] | None = None) -> Literal["online", "offline", "disabled"]:
         """The mode to pass to ``wandb.init``: ``auto`` resolved against WANDB_API_KEY, ``disabled`` if off."""
         if not self.wandb:
             return "disabled"

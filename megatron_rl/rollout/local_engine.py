@@ -78,7 +78,9 @@ class LocalEngine:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        # transformers wraps `to` with functools.wraps(nn.Module.to), whose stub keeps the unbound signature.
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         config = self.model.config
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.eos_token_ids = _eos_ids(self.model) if stop_on_eos else frozenset()
@@ -283,7 +285,8 @@ class LocalEngine:
         """Last-position logits ``[B, V]`` and, if asked, routes ``[B, T, moe_layers, top_k]`` of one step."""
         with self._lock:
             self._check_open()
-            self._route_sink = [] if want_routes else None
+            sink: list[torch.Tensor] = []
+            self._route_sink = sink if want_routes else None
             try:
                 out = self.model(
                     input_ids=ids.to(self.device),
@@ -293,7 +296,6 @@ class LocalEngine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                sink = self._route_sink
             finally:
                 self._route_sink = None
             versions.append(self._version)
@@ -308,6 +310,8 @@ class LocalEngine:
             self._route_sink.append(output[2].detach())  # (router_logits, scores, indices)
 
     def _to_sample(self, row: _Row, versions: list[str], group: int, want_routes: bool) -> Sample:
+        if row.finish is None:
+            raise RuntimeError("a sample was built from a row that has not finished decoding")
         token_versions = versions[: len(row.response)]  # token t was sampled from forward t's logits
         metadata = {}
         if len(set(token_versions)) > 1:

@@ -197,16 +197,16 @@ def compute_rewards(
     """
     reward_fn = get_reward(fn)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    done: queue.Queue[tuple[int, float | None, BaseException | None]] = queue.Queue()
+    done: queue.Queue[tuple[int, float | BaseException]] = queue.Queue()  # (index, reward or what it raised)
     stats = RewardStats(count=len(samples))
     pending = list(range(len(samples)))[::-1]
     started: dict[int, float] = {}  # running index -> start time
 
     def run(i: int) -> None:
         try:
-            done.put((i, float(reward_fn(samples[i], texts[i], samples[i].metadata)), None))
+            done.put((i, float(reward_fn(samples[i], texts[i], samples[i].metadata))))
         except BaseException as err:  # noqa: BLE001 - any failure of user code is a 0 reward, not a crash
-            done.put((i, None, err))
+            done.put((i, err))
 
     while pending or started:
         while pending and len(started) < max_workers:
@@ -215,7 +215,7 @@ def compute_rewards(
             threading.Thread(target=run, args=(i,), name=f"reward-{i}", daemon=True).start()
         deadline = min(started.values()) + timeout_s
         try:
-            i, value, err = done.get(timeout=max(deadline - time.monotonic(), 0.0))
+            i, outcome = done.get(timeout=max(deadline - time.monotonic(), 0.0))
         except queue.Empty:
             now = time.monotonic()
             for i in [i for i, t in started.items() if now - t >= timeout_s]:
@@ -226,15 +226,15 @@ def compute_rewards(
             continue
         if started.pop(i, None) is None:
             continue  # a late result of a call already timed out
-        if err is None and not math.isfinite(value):
-            err = ValueError(f"reward is {value}")
-        if err is not None:
+        if isinstance(outcome, float) and not math.isfinite(outcome):
+            outcome = ValueError(f"reward is {outcome}")
+        if isinstance(outcome, BaseException):
             samples[i].reward = 0.0
             stats.errors += 1
-            stats.first_error = stats.first_error or f"{type(err).__name__}: {err}"
+            stats.first_error = stats.first_error or f"{type(outcome).__name__}: {outcome}"
         else:
-            samples[i].reward = value
-            stats.total += value
+            samples[i].reward = outcome
+            stats.total += outcome
     if stats.errors or stats.timeouts:
         logger.warning(
             "reward %s: %d of %d calls raised and %d timed out (scored 0.0); first: %s",

@@ -248,7 +248,7 @@ class SGLangEngine:
             keep = min(len(log_probs), len(response))
             response, log_probs = response[:keep], log_probs[:keep]
         finish = meta.get("finish_reason") or {"type": "abort"}
-        reason = _FINISH.get(finish.get("type"))
+        reason = _FINISH.get(finish.get("type", ""))
         if reason is None:
             raise SGLangServerError(f"unknown SGLang finish_reason {finish}")
         metadata: dict[str, Any] = {}

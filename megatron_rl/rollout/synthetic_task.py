@@ -19,7 +19,7 @@ import random
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
@@ -103,9 +103,10 @@ class SyntheticTask:
         pairs = []
         for k in range(start, start + n):
             prompt = self.prompt("sft", k)
-            answer_ids = self.tokenizer(prompt.answer, add_special_tokens=False)["input_ids"]
+            answer = cast(str, prompt.answer)  # `prompt` always sets it
+            answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
             pairs.append(
-                SFTPair(prompt.text, prompt.answer, prompt.token_ids, list(answer_ids) + [self.tokenizer.eos_token_id])
+                SFTPair(prompt.text, answer, prompt.token_ids, list(answer_ids) + [self.tokenizer.eos_token_id])
             )
         return pairs
 
