@@ -157,7 +157,7 @@ def prepare_megatron_import(device_type: str | None = None) -> str:
         return version
     if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
         return version
-    stub = types.ModuleType(_PAGED_STASH_OPS)
+    stub: Any = types.ModuleType(_PAGED_STASH_OPS)  # Any: ModuleType declares none of the names set below
     stub.__doc__ = "megatron_rl stub: triton is not installed (CPU); paged stash is unavailable."
     stub.GLOBAL_BLOCK_SIZE = 1024
     stub.paged_stash_copy_kernel = None
@@ -197,7 +197,7 @@ def _call_site() -> str:
     forward path costs a dictionary lookup, not a stack walk.
     """
     megatron_dir = _megatron_dir()
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename == _THIS_FILE:
         frame = frame.f_back
     if frame is None:
@@ -443,7 +443,7 @@ def _bridge_device_literals() -> str:
     for module_name in DEVICE_LITERAL_MODULES:
         if importlib.util.find_spec(module_name) is None:
             continue
-        module = importlib.import_module(module_name)
+        module: Any = importlib.import_module(module_name)  # Any: ModuleType declares no `torch`
         if getattr(module, "torch", None) is torch:
             module.torch = placed_torch
     return "megatron device='cuda' literals (CpuPlacedTorch)"

@@ -176,7 +176,8 @@ def plan_run(cfg: RLConfig, *, now: datetime | None = None) -> RunPlan:
         return _plan_from(out, fresh, Path(t.resume) if explicit else None, t.steps, move_aside_to=aside)
     if not has_data:  # nothing to lose; a restart of the same config keeps its id
         same = previous is not None and previous.config_hash == digest and t.resume != "never"
-        return _plan_from(out, previous if same else fresh, Path(t.resume) if explicit else None, t.steps)
+        identity = previous if previous is not None and same else fresh
+        return _plan_from(out, identity, Path(t.resume) if explicit else None, t.steps)
     if t.resume == "never":
         raise _refusal(out, "trainer.resume=never starts a fresh run")
     if explicit:
@@ -199,10 +200,10 @@ def plan_run(cfg: RLConfig, *, now: datetime | None = None) -> RunPlan:
             resume=f"trainer.resume={out / 'checkpoints'}",
         )
     if previous.config_hash != digest:
-        changed = _changed_since_last_start(out, cfg)
+        differing = _changed_since_last_start(out, cfg)
         raise _refusal(
             out,
-            f"its run has another config: {_listing(changed)}",
+            f"its run has another config: {_listing(differing)}",
             resume=f"its own config ({out / 'config.yaml'}) with trainer.resume=auto, or trainer.resume="
             f"{out / 'checkpoints'} to continue it with this config",
         )

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +45,7 @@ class StopSignals:
         self.requested: int | None = None  # the first signal received while armed
         self.step: int | None = None  # the RL step in progress
         self.last_checkpoint: int | None = None  # the step of the newest checkpoint on disk
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # to restore on exit
         self._pid = os.getpid()
         self._writing: str | None = None  # a checkpoint write in progress: an abort waits for its end
         self._deferred: int | None = None  # the signal of an abort that waits for the write

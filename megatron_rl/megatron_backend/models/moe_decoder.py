@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -53,7 +54,9 @@ def _glu(megatron: str, gate: str, up: str) -> WeightRule:
 
 def decoder_weight_rules(hf: HFConfig, dims: ModelDims, names: DecoderNames) -> list[WeightRule]:
     """Every Megatron parameter of the model and the HF tensors it is built from, in a fixed order."""
-    qkv = dict(num_heads=dims.num_attention_heads, num_groups=dims.num_query_groups, head_dim=dims.head_dim)
+    qkv: dict[str, Any] = dict(
+        num_heads=dims.num_attention_heads, num_groups=dims.num_query_groups, head_dim=dims.head_dim
+    )
     rules = [
         WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
         WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
