@@ -47,7 +47,7 @@ def micro_batches(shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp
 
     multiple = layout.tp if layout.sequence_parallel else 1
     groups = split_by_token_budget(shard.lengths.tolist(), max_tokens)
-    count = torch.tensor([len(groups)])
+    count = torch.tensor([max(len(groups), fewest_micro_batches(layout))])
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     groups = regroup(groups, int(count))
@@ -55,6 +55,11 @@ def micro_batches(shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp
         return [shard.select(g, pad_to_multiple=multiple, rows=max(len(g), 1)) for g in groups]
     seq, rows = int(shard.lengths.max()), max(max(len(g) for g in groups), 1)
     return [shard.select(g, pad_to_multiple=multiple, seq_len=seq, rows=rows) for g in groups]
+
+
+def fewest_micro_batches(layout: ParallelLayout) -> int:
+    """Megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of PP: it needs at least PP."""
+    return layout.pp if layout.vpp else 1
 
 
 def regroup(groups: list[list[int]], count: int) -> list[list[int]]:
