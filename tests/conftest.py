@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny Qwen3-MoE checkpoints built locally (no downloads)."""
+"""Shared fixtures: tiny MoE checkpoints built locally (no downloads), the warmed-up demo model and its run."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
+from tests import shared_runs
 
 # One intra-op thread per test process (subprocesses inherit it; torchrun ranks get it from the harness): the tiny
 # models' ops take microseconds, where a second OpenMP thread costs more than it saves and stalls for milliseconds
@@ -54,3 +56,19 @@ def other_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "mixtral": make_tiny_mixtral(tmp_path_factory.mktemp("mixtral"), seed=7),
     }
+
+
+@pytest.fixture(scope="session")
+def warmed_demo(tmp_path_factory: pytest.TempPathFactory) -> shared_runs.WarmedModel:
+    """The demo model after the loop tests' supervised warm-up, and the run that warmed it up (its checkpoint of
+    one RL step after the warm-up); built once per session, for every worker."""
+    return shared_runs.warmed_demo_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def trained_actor_checkpoint(
+    tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., shared_runs.ActorCheckpoint]:
+    """`(nproc, extra) -> ActorCheckpoint`: checkpoint_check.py's full phase on tiny_moe_dir in that layout (e.g.
+    `(2, ("--ep", "2"))`), built once per session, for every worker."""
+    return lambda nproc=1, extra=(): shared_runs.actor_checkpoint(tmp_path_factory, tiny_moe_dir, nproc, tuple(extra))

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.megatron.dist_harness import TorchrunError, run_torchrun
+from tests.megatron.dist_harness import TorchrunError
+from tests.shared_runs import checkpoint_phase
 
-SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_check.py"
 pytestmark = pytest.mark.torchrun
-
-
-def _phase(model: Path, ckpt: Path, out: Path, phase: str, nproc: int = 1, extra: tuple[str, ...] = ()) -> dict:
-    run_torchrun(
-        SCRIPT, nproc, ["--model", str(model), "--ckpt", str(ckpt), "--out", str(out), "--phase", phase, *extra]
-    )
-    return json.loads(out.read_text())
 
 
 # The single process resumes exactly in tests/trainer (the whole loop) too: the slow tier.
@@ -29,37 +22,38 @@ def _phase(model: Path, ckpt: Path, out: Path, phase: str, nproc: int = 1, extra
         pytest.param(2, ("--ep", "2"), id="ep2"),
     ],
 )
-def test_resume_continues_exactly(tiny_moe_dir: Path, tmp_path: Path, nproc: int, extra: tuple[str, ...]) -> None:
+def test_resume_continues_exactly(
+    tiny_moe_dir: Path, trained_actor_checkpoint, tmp_path: Path, nproc: int, extra: tuple[str, ...]
+) -> None:
     """Steps 3-4 after resuming from the step-2 checkpoint equal steps 3-4 of the uninterrupted run.
 
     Covers model, optimizer moments and Adam's step count, the cosine LR schedule and the RNG that
     draws the advantages."""
-    ckpt = tmp_path / "ckpt"
-    full = _phase(tiny_moe_dir, ckpt, tmp_path / "full.json", "full", nproc, extra)
-    resumed = _phase(tiny_moe_dir, ckpt, tmp_path / "resume.json", "resume", nproc, extra)
+    shared = trained_actor_checkpoint(nproc, extra)  # the resume only reads the checkpoint
+    full = shared.full
+    resumed = checkpoint_phase(tiny_moe_dir, shared.ckpt, tmp_path / "resume.json", "resume", nproc, extra)
     assert resumed["trainer_state"] == {"data_position": 2}
     assert resumed["steps"] == full["steps"]
     assert full["steps"][0]["loss"] != full["steps"][1]["loss"]
 
 
-def test_crash_during_save_keeps_previous_checkpoint(tiny_moe_dir: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    full = _phase(tiny_moe_dir, ckpt, tmp_path / "full.json", "full")
+def test_crash_during_save_keeps_previous_checkpoint(tiny_moe_dir: Path, trained_actor_checkpoint, tmp_path: Path):
+    shared = trained_actor_checkpoint()
+    ckpt, full = shutil.copytree(shared.ckpt, tmp_path / "ckpt"), shared.full  # the crash writes into it
     with pytest.raises(TorchrunError):
-        _phase(tiny_moe_dir, ckpt, tmp_path / "crash.json", "crash")
+        checkpoint_phase(tiny_moe_dir, ckpt, tmp_path / "crash.json", "crash")
     assert (ckpt / "latest").read_text() == "step_000000002"
     assert any(p.name.startswith(".tmp_step_000000003") for p in ckpt.iterdir()), "the interrupted save left no trace"
     assert not (ckpt / "step_000000003").exists()
     # The previous checkpoint still resumes exactly.
-    resumed = _phase(tiny_moe_dir, ckpt, tmp_path / "resume.json", "resume")
+    resumed = checkpoint_phase(tiny_moe_dir, ckpt, tmp_path / "resume.json", "resume")
     assert resumed["steps"] == full["steps"]
 
 
-def test_model_weights_load_into_any_layout(tiny_moe_dir: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    _phase(tiny_moe_dir, ckpt, tmp_path / "full.json", "full")
-    ref = _phase(tiny_moe_dir, ckpt, tmp_path / "score1.json", "score")["log_probs"]
+def test_model_weights_load_into_any_layout(tiny_moe_dir: Path, trained_actor_checkpoint, tmp_path: Path) -> None:
+    ckpt = trained_actor_checkpoint().ckpt
+    ref = checkpoint_phase(tiny_moe_dir, ckpt, tmp_path / "score1.json", "score")["log_probs"]
     for extra in (("--tp", "2"), ("--ep", "2"), ("--pp", "2")):
-        got = _phase(tiny_moe_dir, ckpt, tmp_path / "score2.json", "score", 2, extra)["log_probs"]
+        got = checkpoint_phase(tiny_moe_dir, ckpt, tmp_path / "score2.json", "score", 2, extra)["log_probs"]
         worst = max(abs(a - b) for ra, rb in zip(got, ref, strict=True) for a, b in zip(ra, rb, strict=True))
         assert worst < 5e-6, f"{extra}: {worst}"

@@ -104,13 +104,10 @@ def test_converted_checkpoint_matches_transformers_at_tp1_and_tp2_pp2_ep2(case, 
 
 
 @pytest.mark.torchrun
-def test_rl_trained_checkpoint_exports_to_hf(tiny_moe_dir: Path, tmp_path: Path) -> None:
+def test_rl_trained_checkpoint_exports_to_hf(tiny_moe_dir: Path, trained_actor_checkpoint, tmp_path: Path) -> None:
     """A checkpoint trained (EP=2, 2 ranks) and saved by the trainer's checkpoint code, exported to HF:
     transformers on the export scores like the trainer's own model loaded from the checkpoint."""
-    ckpt = tmp_path / "ckpt"
-    script = REPO / "tests" / "actor" / "scripts" / "checkpoint_check.py"
-    run_torchrun(script, 2, ["--model", str(tiny_moe_dir), "--ckpt", str(ckpt), "--out", str(tmp_path / "run.json"),
-                             "--phase", "full", "--ep", "2"])  # fmt: skip
+    ckpt = trained_actor_checkpoint(2, ("--ep", "2")).ckpt  # shared with tests/actor; only read here
     proc = subprocess.run([*CLI, "convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf"), "--hf-extras",
                            str(tiny_moe_dir), "--expect-config", str(tiny_moe_dir)], capture_output=True, text=True,
                           timeout=300)  # fmt: skip

@@ -12,31 +12,36 @@ import pytest
 
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.megatron.dist_harness import run_torchrun
+from tests.shared_runs import DEMO_SEED, DEMO_WARMUP, EXAMPLE, TRAIN, WarmedModel
 
-CLI = [sys.executable, "-m", "megatron_rl.cli", "train"]
-EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
-# Deterministic (seeded sampling, CPU): a short version of the embedded demo.
+# Deterministic (seeded sampling, CPU): a short version of the embedded demo. Tests about the RL steps start from
+# the session's warmed-up model (`warmed_demo`, this warm-up run once) with NO_WARMUP; the warm-up runs in the loop
+# where it is the point (the first test, resume).
 FAST = [
-    "warmup.sft_steps=150",
-    "warmup.sft_batch_size=32",
-    "warmup.sft_lr=2e-3",
+    *DEMO_WARMUP,
     "optimizer.lr=1e-4",
     "data.eval_prompts=64",
     "logging.wandb=false",
     "logging.plot=true",
 ]
+NO_WARMUP = "warmup.sft_steps=0"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("demo_model") / "model", seed=1234)
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("demo_model") / "model", seed=DEMO_SEED)
+
+
+@pytest.fixture(scope="module")
+def warmed(warmed_demo: WarmedModel) -> Path:
+    return warmed_demo.warmed
 
 
 def _train(
     out: Path, model: Path, *overrides: str, check: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [*CLI, str(EXAMPLE), f"trainer.output_dir={out}", f"model.hf_path={model}", *FAST, *overrides],
+        [*TRAIN, f"trainer.output_dir={out}", f"model.hf_path={model}", *FAST, *overrides],
         capture_output=True,
         text=True,
         timeout=900,
@@ -51,7 +56,11 @@ def _history(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_loop_learns_with_exact_first_update(model_dir: Path, tmp_path: Path) -> None:
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_loop_learns_with_exact_first_update(model_dir: Path, warmed_demo: WarmedModel, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _train(out, model_dir, "trainer.steps=30", "data.eval_every=30", "trainer.save_every=0")
     # The output starts with a short header (the full config is in config.yaml) and Megatron's known-harmless
@@ -73,9 +82,12 @@ def test_loop_learns_with_exact_first_update(model_dir: Path, tmp_path: Path) ->
     assert late > early + 0.05, f"reward did not rise: {early:.3f} -> {late:.3f}"
     assert after > before, f"held-out accuracy did not rise: {before:.3f} -> {after:.3f}"
     assert (out / "reward.png").is_file() and (out / "config.yaml").is_file()
+    # The warm-up in the loop is the shared warmed-up model the other tests start from, byte for byte.
+    assert _files(out / "warmup_model") == _files(warmed_demo.warmed)
 
 
 def test_resume_matches_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
+    # With a warm-up in the loop: the resumed run must not redo it.
     common = (
         "trainer.save_every=2",
         "data.eval=null",
@@ -147,10 +159,10 @@ def test_tokenizer_that_does_not_match_the_model(model_dir: Path, tmp_path: Path
     ],
     ids=lambda o: "+".join(x.split("=")[1] for x in o),
 )
-def test_algorithms_run_by_override(model_dir: Path, tmp_path: Path, overrides: list[str]) -> None:
+def test_algorithms_run_by_override(warmed: Path, tmp_path: Path, overrides: list[str]) -> None:
     out = tmp_path / "run"
     _train(
-        out, model_dir, "trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+        out, warmed, "trainer.steps=2", NO_WARMUP, "data.eval=null", "data.eval_every=0",
         "trainer.save_every=0", "logging.plot=false", *overrides,
     )  # fmt: skip
     steps = [r for r in _history(out) if r["step"] > 0]
@@ -164,15 +176,15 @@ def test_algorithms_run_by_override(model_dir: Path, tmp_path: Path, overrides: 
         assert all(r["actor/kl_ref"] >= 0.0 for r in trained)  # GRPO keeps a KL-to-reference term
 
 
-def test_packed_gspo_kernels_train_like_the_reference_loss(model_dir: Path, tmp_path: Path) -> None:
+def test_packed_gspo_kernels_train_like_the_reference_loss(warmed: Path, tmp_path: Path) -> None:
     """algo.gspo_kernel=torch and =triton (the Triton interpreter on CPU) in the real loop: same rollouts, same
     losses and gradient norms as the padded reference loss within fp32 summation-order tolerance."""
-    common = ["trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
-              "trainer.save_every=0", "logging.plot=false"]  # fmt: skip
+    common = ["trainer.steps=2", NO_WARMUP, "data.eval=null", "data.eval_every=0", "trainer.save_every=0",
+              "logging.plot=false"]  # fmt: skip
     runs = {}
     for kernel in ("reference", "torch", "triton"):
         env = {**os.environ, "TRITON_INTERPRET": "1"} if kernel == "triton" else None
-        _train(tmp_path / kernel, model_dir, *common, f"algo.gspo_kernel={kernel}", env=env)
+        _train(tmp_path / kernel, warmed, *common, f"algo.gspo_kernel={kernel}", env=env)
         runs[kernel] = [r for r in _history(tmp_path / kernel) if r["step"] > 0]
     ref = runs["reference"]
     assert all("actor/pg_loss" in r for r in ref)
@@ -184,14 +196,13 @@ def test_packed_gspo_kernels_train_like_the_reference_loss(model_dir: Path, tmp_
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (kernel, key)
 
 
-def test_colocated_memory_phases_change_nothing_but_memory(model_dir: Path, tmp_path: Path) -> None:
+def test_colocated_memory_phases_change_nothing_but_memory(warmed: Path, tmp_path: Path) -> None:
     """trainer.offload_actor + rollout.release_memory: the actor leaves during rollouts, the engine frees (and
     discards) its weights during training and gets them back through the sync; with evaluation and checkpoints
     between steps the run trains exactly like one that keeps everything resident."""
-    common = ["trainer.steps=3", "warmup.sft_steps=60", "data.eval_every=2", "trainer.save_every=2",
-              "logging.plot=false"]  # fmt: skip
-    _train(tmp_path / "resident", model_dir, *common)
-    _train(tmp_path / "swapped", model_dir, *common, "trainer.offload_actor=true", "rollout.release_memory=true")
+    common = ["trainer.steps=3", NO_WARMUP, "data.eval_every=2", "trainer.save_every=2", "logging.plot=false"]
+    _train(tmp_path / "resident", warmed, *common)
+    _train(tmp_path / "swapped", warmed, *common, "trainer.offload_actor=true", "rollout.release_memory=true")
     resident, swapped = _history(tmp_path / "resident"), _history(tmp_path / "swapped")
     assert [r["step"] for r in swapped] == [0, 1, 2, 3] and "eval/accuracy" in swapped[2]
     for a, b in zip(resident, swapped, strict=True):
@@ -209,7 +220,7 @@ def test_colocated_memory_phases_change_nothing_but_memory(model_dir: Path, tmp_
     run_torchrun(
         Path(__file__).parent / "scripts" / "compare_checkpoints.py",
         1,
-        ["--model", str(model_dir), "--a", str(tmp_path / "resident" / "checkpoints" / "step_000000003"),
+        ["--model", str(warmed), "--a", str(tmp_path / "resident" / "checkpoints" / "step_000000003"),
          "--b", str(tmp_path / "swapped" / "checkpoints" / "step_000000003"), "--out", str(result)],
     )  # fmt: skip
     assert json.loads(result.read_text()) == {"equal": True, "moved_from_initial": True}
@@ -246,16 +257,16 @@ def test_memory_release_is_refused_without_a_colocated_partner(model_dir: Path, 
 
 
 @pytest.mark.torchrun
-def test_loop_under_torchrun_matches_single_process(model_dir: Path, tmp_path: Path) -> None:
+def test_loop_under_torchrun_matches_single_process(warmed: Path, tmp_path: Path) -> None:
     """The same run at TP=2 (+SP) under torchrun: same rollouts, same losses within fp32 tolerance."""
-    common = ["trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+    common = ["trainer.steps=2", NO_WARMUP, "data.eval=null", "data.eval_every=0",
               "trainer.save_every=0", "logging.plot=false", "logging.wandb=false"]  # fmt: skip
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
-    _train(single, model_dir, *common)
+    _train(single, warmed, *common)
     run_torchrun(
         Path(__file__).parents[2] / "megatron_rl" / "cli.py",
         2,
-        ["train", str(EXAMPLE), f"trainer.output_dir={tp2}", f"model.hf_path={model_dir}", *FAST, *common,
+        ["train", str(EXAMPLE), f"trainer.output_dir={tp2}", f"model.hf_path={warmed}", *FAST, *common,
          "parallel.tp=2"],
         timeout=600,
     )  # fmt: skip
@@ -265,24 +276,24 @@ def test_loop_under_torchrun_matches_single_process(model_dir: Path, tmp_path: P
         assert ra["rollout/reward_mean"] == rb["rollout/reward_mean"]
         assert ra["actor/ppo_kl_first"] == rb["actor/ppo_kl_first"] == 0.0
         assert abs(ra["actor/pg_loss"] - rb["actor/pg_loss"]) < 1e-5
-        # 100 warm-up steps of TP=2's different reduction order leave ~1.4e-4 relative in the grad norm.
+        # TP=2 (+SP) sums in another order: the grad norms agree within fp32 summation tolerance.
         assert abs(ra["actor/grad_norm"] - rb["actor/grad_norm"]) < 1e-3 * max(1.0, ra["actor/grad_norm"])
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("replay", ["R2", "R3"])
-def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(model_dir: Path, tmp_path: Path, replay: str) -> None:
+def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(warmed: Path, tmp_path: Path, replay: str) -> None:
     """R2/R3 under torchrun at DP=2: each rank's route cache holds only the samples it feeds (half the batch,
     uint8), the first update's ratio is exactly 1 and the losses equal the single-process run's."""
-    common = ["trainer.steps=2", "warmup.sft_steps=100", "data.eval=null", "data.eval_every=0",
+    common = ["trainer.steps=2", NO_WARMUP, "data.eval=null", "data.eval_every=0",
               "trainer.save_every=0", "logging.plot=false", "logging.wandb=false", "algo.preset=grpo",
               f"algo.routing_replay={replay}", "rollout.prompts_per_step=4"]  # fmt: skip
     single, dp2 = tmp_path / "single", tmp_path / "dp2"
-    _train(single, model_dir, *common)
+    _train(single, warmed, *common)
     run_torchrun(
         Path(__file__).parents[2] / "megatron_rl" / "cli.py",
         2,
-        ["train", str(EXAMPLE), f"trainer.output_dir={dp2}", f"model.hf_path={model_dir}", *FAST, *common],
+        ["train", str(EXAMPLE), f"trainer.output_dir={dp2}", f"model.hf_path={warmed}", *FAST, *common],
         timeout=600,
     )
     a, b = _history(single), _history(dp2)
@@ -296,13 +307,12 @@ def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(model_dir: Path, tmp
         assert rb["routing/agreement"] > 0.9
 
 
-def test_logprobs_from_training_checkpoint_in_other_layouts(model_dir: Path, tmp_path: Path) -> None:
-    """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote, at TP=1 and TP=2 alike."""
+def test_logprobs_from_training_checkpoint_in_other_layouts(warmed_demo: WarmedModel, tmp_path: Path) -> None:
+    """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote (the shared warm-up run's), at TP=1
+    and TP=2 alike."""
     from tests.actor.hf_reference import make_samples
 
-    out = tmp_path / "run"
-    _train(out, model_dir, "trainer.steps=2", "warmup.sft_steps=20", "data.eval=null", "data.eval_every=0",
-           "logging.plot=false", "logging.wandb=false")  # fmt: skip
+    out = warmed_demo.run
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(s) + "\n" for s in make_samples(vocab=128, n=3)))
     scored = {}
@@ -312,8 +322,9 @@ def test_logprobs_from_training_checkpoint_in_other_layouts(model_dir: Path, tmp
         run_torchrun(Path(__file__).parents[2] / "megatron_rl" / "cli.py", 1 if name == "tp1" else 2, args + extra)
         scored[name] = [json.loads(line) for line in dest.read_text().splitlines()]
     initial = tmp_path / "initial.jsonl"
-    subprocess.run([sys.executable, "-m", "megatron_rl.cli", "logprobs", "--hf-model", str(model_dir), "--input",
-                    str(inp), "--output", str(initial)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "megatron_rl.cli", "logprobs", "--hf-model", str(warmed_demo.initial),
+                    "--input", str(inp), "--output", str(initial)], check=True, capture_output=True,
+                   timeout=300)  # fmt: skip
     base = [json.loads(line) for line in initial.read_text().splitlines()]
     for a, b, c in zip(scored["tp1"], scored["tp2"], base, strict=True):
         assert max(abs(x - y) for x, y in zip(a["log_probs"], b["log_probs"], strict=True)) < 5e-6
