@@ -8,6 +8,7 @@ the same process cannot disturb it) and drives their `RouterReplay` instances di
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from megatron_rl.megatron_backend.hf_weights import unwrap_model
 class RouterHandle:
     global_layer: int
     chunk: int
-    router: nn.Module
+    router: Any  # Megatron's TopKRouter; nn.Module's stub types its attributes as Tensor | Module
 
 
 class MoERouters:
@@ -30,7 +31,8 @@ class MoERouters:
 
         handles: list[RouterHandle] = []
         for chunk_index, chunk in enumerate(chunks):
-            for layer in unwrap_model(chunk).decoder.layers:
+            model: Any = unwrap_model(chunk)  # a GPTModel
+            for layer in model.decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
                     if getattr(router, "router_replay", None) is None:
@@ -114,7 +116,7 @@ class ReplayMonitor:
     def _hook(self, handle: RouterHandle):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        def hook(router: nn.Module, inputs: tuple, output: tuple) -> None:
+        def hook(router: Any, inputs: tuple, output: tuple) -> None:
             replay = router.router_replay
             action = replay.router_replay_action
             if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
@@ -140,7 +142,7 @@ class ReplayMonitor:
 
         return hook
 
-    def _measure(self, router: nn.Module, handle: RouterHandle, hidden: torch.Tensor, replayed: torch.Tensor) -> None:
+    def _measure(self, router: Any, handle: RouterHandle, hidden: torch.Tensor, replayed: torch.Tensor) -> None:
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
         from megatron_rl.routing.agreement import slot_matches
@@ -159,6 +161,8 @@ class ReplayMonitor:
         natural = natural_map.float().topk(router.topk, dim=-1).indices.cpu()
         matches = slot_matches(replayed, natural)  # [tokens_local]
         valid = self.valid
+        if valid is None:
+            raise RuntimeError("measuring route agreement needs begin_micro_batch before each replayed forward")
         column = self.moe_layers.index(handle.global_layer)
         self.counts.matches[column] += float(matches[valid].sum())
         self.counts.slots[column] += float(valid.sum()) * router.topk
