@@ -43,10 +43,9 @@ def init_distributed(
     platform.prepare_megatron_import()
     platform.bridge_cpu()
     if not torch.distributed.is_initialized():
-        extra = {} if timeout is None else {"timeout": timeout}
         if "RANK" in os.environ:
             platform.select_local_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(platform.dist_backend(), **extra)
+            torch.distributed.init_process_group(platform.dist_backend(), timeout=timeout)
         else:
             platform.select_local_device(0)
             torch.distributed.init_process_group(
@@ -54,7 +53,7 @@ def init_distributed(
                 init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
-                **extra,
+                timeout=timeout,
             )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

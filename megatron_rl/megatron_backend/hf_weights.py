@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,11 +98,15 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
     return out
 
 
-def unwrap_model(module: nn.Module) -> nn.Module:
-    """The bare model inside Megatron's DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+def unwrap_model(module: nn.Module) -> Any:
+    """The bare model (a Megatron GPTModel) inside Megatron's DDP / Float16Module wrappers.
+
+    Any: nn.Module's stub types every attribute as Tensor | Module, and callers use the GPTModel's own.
+    """
+    model: Any = module
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def canonical_name(name: str) -> str:
@@ -122,11 +127,22 @@ def rules_by_name(family: ModelFamily, hf: HFConfig) -> dict[str, WeightRule]:
     return rules
 
 
+def _tp_sharded(param: torch.Tensor) -> bool:
+    """Whether Megatron splits `param` across tensor-parallel ranks (an attribute Megatron sets on the parameter)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _partition_dim(param: torch.Tensor) -> int:
+    """The dimension Megatron splits a tensor-parallel parameter along (set together with `tensor_model_parallel`)."""
+    megatron_param: Any = param  # torch's stub does not know the attributes Megatron adds
+    return int(megatron_param.partition_dim)
+
+
 def _shard(full: torch.Tensor, param: nn.Parameter, rule: WeightRule, rank: int, size: int) -> torch.Tensor:
     """This rank's slice of the full Megatron tensor, following Megatron's partitioning of `param`."""
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+    if size == 1 or not _tp_sharded(param):
         return full
-    dim = param.partition_dim
+    dim = _partition_dim(param)
     if rule.glu:  # [gate; up] -> [gate_r; up_r]
         return torch.cat([half.chunk(size, dim=dim)[rank] for half in full.chunk(2, dim=0)], dim=0)
     return full.chunk(size, dim=dim)[rank]
@@ -148,7 +164,7 @@ class SafetensorsIndex:
         self._dir = model_dir
         self._map = safetensors_weight_map(model_dir)  # every file's header checked: truncation is named here
         self._open = safe_open
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # open safetensors files (safe_open handles)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._map:
@@ -195,7 +211,7 @@ def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: Mode
             raise WeightMismatchError(f"no HF weight rule for Megatron parameter {item.global_name!r}")
         full = rule.to_megatron([index.get(n) for n in rule.hf])
         if rule.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            full = _pad_rows(full, item.param.shape[0] * (tp_size if item.param.tensor_model_parallel else 1))
+            full = _pad_rows(full, item.param.shape[0] * (tp_size if _tp_sharded(item.param) else 1))
         rank, size = (etp_rank, etp_size) if item.is_expert else (tp_rank, tp_size)
         shard = _shard(full, item.param, rule, rank, size)
         if shard.shape != item.param.shape:
@@ -216,11 +232,11 @@ def _gather_full(item: LocalParam, rule: WeightRule) -> torch.Tensor:
         group, size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
     else:
         group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    if size == 1 or not getattr(item.param, "tensor_model_parallel", False):
+    if size == 1 or not _tp_sharded(item.param):
         return param
     parts = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(parts, param.contiguous(), group=group)
-    dim = item.param.partition_dim
+    dim = _partition_dim(item.param)
     if rule.glu:
         gates = [p.chunk(2, dim=0)[0] for p in parts]
         ups = [p.chunk(2, dim=0)[1] for p in parts]
@@ -255,11 +271,13 @@ def export_hf_weights(
     size = 0
     for name in ordered:
         rule = rules[name]
-        full = _gather_full(mine[name], rule) if name in mine else None
+        full = _gather_full(mine[name], rule) if name in mine else None  # collective over its TP group
+        owner, shape, param_dtype = owners[name]
+        if distributed and rank != owner:
+            full = torch.empty(shape, dtype=param_dtype)
+        if full is None:  # `_owners` found a holder for every parameter, and the owner holds it
+            raise RuntimeError(f"rank {rank} neither holds nor receives {name!r}")
         if distributed:
-            owner, shape, param_dtype = owners[name]
-            if rank != owner:
-                full = torch.empty(shape, dtype=param_dtype)
             dist.broadcast(full.contiguous() if rank == owner else full, src=owner)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[: dims.vocab_size]
@@ -278,11 +296,11 @@ def _full_shape(item: LocalParam) -> tuple[int, ...]:
     from megatron.core import parallel_state as ps
 
     shape = list(item.param.shape)
-    if getattr(item.param, "tensor_model_parallel", False):
+    if _tp_sharded(item.param):
         size = (
             ps.get_expert_tensor_parallel_world_size() if item.is_expert else ps.get_tensor_model_parallel_world_size()
         )
-        shape[item.param.partition_dim] *= size
+        shape[_partition_dim(item.param)] *= size
     return tuple(shape)
 
 

@@ -190,10 +190,11 @@ class SGLangServers:
         with _private_log(log_path) as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
             log.flush()
-            self._procs[i] = subprocess.Popen(
+            proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
-        logger.info("started SGLang server %d (pid %d) at %s, log %s", i, self._procs[i].pid, self.urls[i], log_path)
+            self._procs[i] = proc
+        logger.info("started SGLang server %d (pid %d) at %s, log %s", i, proc.pid, self.urls[i], log_path)
 
     def start_router(self) -> None:
         """Launch `sglang-router` (from the SGLang venv) and register every server with it."""

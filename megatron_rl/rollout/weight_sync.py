@@ -363,8 +363,16 @@ def _new_process_group(
     port = listener.getsockname()[1]
     master = TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
     store = PrefixStore(group_name, master)
+    # torch's private helper types group_name as GroupName, a NewType over str that older torch does not define.
     group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+        world_size,
+        0,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,  # type: ignore[arg-type]
+        backend_options=None,
+        timeout=timeout,
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
