@@ -87,15 +87,16 @@ def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_rl.megatron_backend import checkpoint
     from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.megatron_backend.checkpoint import load_checkpoint
+    from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_config, resolve_checkpoint_dir
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
     from megatron_rl.megatron_backend.models.architecture import model_dims
     from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
-    hf = checkpoint.read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
+    hf = read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
     dims = model_dims(hf)
     samples = read_samples(Path(args.input), dims.vocab_size)
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         options = ModelOptions(dtype=args.dtype, routing_replay=True)
         if args.checkpoint:
             actor = MegatronActor(hf, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens)
-            checkpoint.load_checkpoint(actor, checkpoint.resolve_checkpoint_dir(args.checkpoint), load_optimizer=False)
+            load_checkpoint(actor, resolve_checkpoint_dir(args.checkpoint), load_optimizer=False)
         else:
             actor = MegatronActor.from_hf(
                 args.hf_model, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens

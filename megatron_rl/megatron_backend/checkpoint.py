@@ -31,11 +31,13 @@ from megatron_rl.megatron_backend.checkpoint_format import (
     MEGATRON_DIR,
     RNG_DIR,
     CheckpointError,
+    damaged,
     error_summary,
     fresh_staging_dir,
     is_complete,
     latest_checkpoint,
     publish_checkpoint,
+    read_checkpoint_json,
     read_trainer_state,
     remove_stale_staging,
     rng_file,
@@ -49,7 +51,7 @@ from megatron_rl.megatron_backend.checkpoint_format import (
 from megatron_rl.megatron_backend.checkpoint_format import CheckpointScan as CheckpointScan  # re-exported
 from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_config as read_checkpoint_hf_config
 from megatron_rl.megatron_backend.checkpoint_format import resolve_checkpoint_dir as resolve_checkpoint_dir
-from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files, damaged, read_checkpoint_json
+from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.models.architecture import check_same_architecture
 
 
@@ -65,7 +67,7 @@ def _sharding_metadata() -> dict[str, Any]:
 
 
 def _model_sharded_state_dict(actor: MegatronActor, metadata: dict) -> dict:
-    modules = actor.modules
+    modules: list[Any] = actor.modules  # GPTModels; nn.Module's stub types their attributes as Tensor | Module
     if len(modules) == 1:
         return {"model": modules[0].sharded_state_dict(metadata=metadata)}
     return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(modules)}
@@ -146,7 +148,8 @@ def _out_of_space(err: BaseException, tmp: Path) -> str | None:
     Megatron's writer runs in worker processes and torch.distributed.checkpoint gathers their errors by
     pickling, which drops the `OSError` cause: only the message survives, and torch's zip writer reports a
     short write with no reason at all ("unexpected pos ..."); then the disk itself is asked."""
-    seen, todo = set(), [err]
+    seen: set[int] = set()
+    todo: list[object] = [err]  # exceptions, and whatever their args, causes and failures hold
     while todo:
         e = todo.pop()
         if isinstance(e, tuple | list):  # a failure may come as (exception, traceback)

@@ -24,8 +24,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-from megatron_rl.megatron_backend.dist_checkpoint_files import read_checkpoint_json
+from typing import Any
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -34,7 +33,8 @@ RNG_DIR = "rng"
 TRAINER_STATE = "trainer_state.json"
 HF_CONFIG = "hf_config.json"
 HF_EXTRAS_DIR = "hf"
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
+STEP_PREFIX = "step_"  # every step folder's name starts with it (see `step_dir_name`)
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{9}})$")
 _STAGING = ".tmp_"
 
 
@@ -42,8 +42,12 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not fit the model."""
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or corrupt; the message names the file and the way out."""
+
+
 def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
+    return f"{STEP_PREFIX}{step:09d}"
 
 
 def rng_file(checkpoint: Path, rank: int) -> Path:
@@ -66,7 +70,7 @@ def fresh_staging_dir(final: Path) -> Path:
 
 def remove_stale_staging(root: Path) -> None:
     """Remove the staging directories of checkpoint saves that never finished under `root`."""
-    for stale in root.glob(f"{_STAGING}step_*"):
+    for stale in root.glob(f"{_STAGING}{STEP_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -96,6 +100,32 @@ def write_latest(root: Path, checkpoint: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- state files
+def damaged(checkpoint: Path, problem: str) -> DamagedCheckpointError:
+    """The error for `checkpoint` with `problem` ("megatron/x is missing (...)"), naming the way out."""
+    older = [p for p in _step_dirs(checkpoint.parent) if p.name < checkpoint.name and is_complete(p)]
+    way_out = (
+        f"resume from an older checkpoint (trainer.resume={older[-1]}) or re-save it"
+        if older
+        else "re-save it (no older complete checkpoint is next to it to resume from)"
+    )
+    return DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: {problem}; {way_out}")
+
+
+def read_checkpoint_json(checkpoint: Path, name: str) -> Any:
+    """The JSON file `name` of `checkpoint`; DamagedCheckpointError naming it if missing or not valid JSON."""
+    path = checkpoint / name
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise damaged(checkpoint, f"{name} is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise damaged(checkpoint, f"{name} cannot be read ({err})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise damaged(checkpoint, f"{name} is not valid JSON ({err})") from None
+
+
 def write_trainer_state(
     checkpoint: Path,
     *,
@@ -154,9 +184,14 @@ class CheckpointScan:
     latest: Path | None
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    """The step folders under `root` (complete or not), oldest first."""
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if _STEP_DIR.match(p.name) and p.is_dir())
+
+
 def scan_checkpoints(root: str | Path) -> CheckpointScan:
     root = Path(root)
-    steps = sorted(p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and p.is_dir())
+    steps = _step_dirs(root)
     complete = tuple(p for p in steps if is_complete(p))
     incomplete = tuple(p for p in steps if not is_complete(p))
     pointer, latest = root / LATEST, complete[-1] if complete else None

@@ -2,38 +2,17 @@
 
 torch DCP's `megatron/.metadata` lists, for every stored item, the file (relative path) and the byte range
 (offset, length) that holds it, so a deleted or truncated `.distcp` file is found from the sizes alone and
-named, instead of surfacing as a `CheckpointException` from inside `dist_checkpointing.load`. The JSON files
-next to it (`trainer_state.json`, `hf_config.json`) are read here too, so a corrupt one is named.
+named, instead of surfacing as a `CheckpointException` from inside `dist_checkpointing.load`. The error
+(`checkpoint_format.damaged`) names the file and the way out.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
-from typing import Any
 
-_STEP_DIR = re.compile(r"^step_\d{9}$")
+from megatron_rl.megatron_backend.checkpoint_format import MEGATRON_DIR, damaged, read_checkpoint_json
+
 METADATA = ".metadata"  # torch DCP's index of the .distcp files
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint file is missing, truncated or corrupt; the message names the file and the way out."""
-
-
-def damaged(checkpoint: Path, problem: str) -> DamagedCheckpointError:
-    """The error for `checkpoint` with `problem` ("megatron/x is missing (...)"), naming the way out."""
-    older = sorted(
-        p
-        for p in checkpoint.parent.glob("step_*")
-        if _STEP_DIR.match(p.name) and p.name < checkpoint.name and (p / "COMPLETE").is_file()
-    )
-    way_out = (
-        f"resume from an older checkpoint (trainer.resume={older[-1]}) or re-save it"
-        if older
-        else "re-save it (no older complete checkpoint is next to it to resume from)"
-    )
-    return DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: {problem}; {way_out}")
 
 
 def expected_file_sizes(megatron_dir: Path) -> dict[str, int]:
@@ -46,7 +25,7 @@ def expected_file_sizes(megatron_dir: Path) -> dict[str, int]:
     return sizes
 
 
-def check_checkpoint_files(checkpoint: Path, megatron_subdir: str = "megatron") -> None:
+def check_checkpoint_files(checkpoint: Path, megatron_subdir: str = MEGATRON_DIR) -> None:
     """Raise DamagedCheckpointError if a file of `checkpoint`'s dist checkpoint is missing or shorter than recorded.
 
     Cheap (file sizes only): a file of the right size with wrong bytes inside is found only when it is read.
@@ -74,18 +53,3 @@ def check_checkpoint_files(checkpoint: Path, megatron_subdir: str = "megatron") 
                 f"{megatron_subdir}/{name} is truncated/corrupt ({megatron_subdir}/{METADATA} says it holds at least "
                 f"{needed} bytes, the file has {size})",
             )
-
-
-def read_checkpoint_json(checkpoint: Path, name: str) -> Any:
-    """The JSON file `name` of `checkpoint`; DamagedCheckpointError naming it if missing or not valid JSON."""
-    path = checkpoint / name
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise damaged(checkpoint, f"{name} is missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise damaged(checkpoint, f"{name} cannot be read ({err})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise damaged(checkpoint, f"{name} is not valid JSON ({err})") from None

@@ -20,7 +20,7 @@ from typing import Any
 
 from megatron_rl.config import to_dict
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.megatron_backend import checkpoint
+from megatron_rl.megatron_backend import checkpoint_format
 
 RUN_FILE = "run.json"
 # Dotted config keys (and the keys under them) that may change between the starts of one run: its length and
@@ -136,7 +136,9 @@ def holds_run_data(output_dir: Path) -> bool:
     """Checkpoints (complete or not, or a `latest` pointer) or metrics rows: what a fresh run must not mix with."""
     root = output_dir / "checkpoints"
     metrics = output_dir / "metrics.jsonl"
-    has_checkpoints = root.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in root.iterdir())
+    has_checkpoints = root.is_dir() and any(
+        p.name == checkpoint_format.LATEST or p.name.startswith(checkpoint_format.STEP_PREFIX) for p in root.iterdir()
+    )
     return has_checkpoints or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
@@ -252,30 +254,30 @@ def _plan_from(
     notes = list(notes or [])
     resume_from = None
     if source is not None:
-        if (source / checkpoint.COMPLETE).is_file():
+        if (source / checkpoint_format.COMPLETE).is_file():
             resume_from = source
         else:
-            scan = checkpoint.scan_checkpoints(source)
+            scan = checkpoint_format.scan_checkpoints(source)
             skipped = [p.name for p in scan.incomplete if scan.latest is None or p.name > scan.latest.name]
-            notes += [f"{name}: incomplete (no {checkpoint.COMPLETE} marker), skipped" for name in skipped]
-            if source.name.startswith("step_") and source.is_dir():
-                raise checkpoint.CheckpointError(
-                    f"trainer.resume={source} is incomplete (no {checkpoint.COMPLETE} marker): "
+            notes += [f"{name}: incomplete (no {checkpoint_format.COMPLETE} marker), skipped" for name in skipped]
+            if source.name.startswith(checkpoint_format.STEP_PREFIX) and source.is_dir():
+                raise checkpoint_format.CheckpointError(
+                    f"trainer.resume={source} is incomplete (no {checkpoint_format.COMPLETE} marker): "
                     f"resume from {source.parent} (its newest complete checkpoint) instead"
                 )
             if scan.latest is None and scan.incomplete:
                 names = ", ".join(p.name for p in scan.incomplete)
-                raise checkpoint.CheckpointError(
-                    f"{source}: no complete checkpoint ({names}: incomplete, no {checkpoint.COMPLETE} marker); "
+                raise checkpoint_format.CheckpointError(
+                    f"{source}: no complete checkpoint ({names}: incomplete, no {checkpoint_format.COMPLETE} marker); "
                     f"refusing to start over from step 0: move the incomplete folders away to start over, or set "
                     f"trainer.overwrite=true to move the run aside"
                 )
             if scan.latest is None and not auto:
-                raise checkpoint.CheckpointError(f"trainer.resume={source}: no checkpoint there")
+                raise checkpoint_format.CheckpointError(f"trainer.resume={source}: no checkpoint there")
             resume_from = scan.latest
             if resume_from is None:
                 notes.append(f"{out}: no checkpoint yet, starting over from step 0")
-    start = int(checkpoint.read_trainer_state(resume_from)["step"]) if resume_from is not None else 0
+    start = int(checkpoint_format.read_trainer_state(resume_from)["step"]) if resume_from is not None else 0
     return RunPlan(
         output_dir=out,
         identity=identity,
