@@ -28,7 +28,7 @@ def test_shared_storage_moves_once_and_comes_back_bitwise() -> None:
     assert offload.num_storages == 2
     assert offload.nbytes == flat.untyped_storage().nbytes() + other.untyped_storage().nbytes() == 4000 + 280
     stats = offload.offload()
-    assert (stats.bytes, stats.storages) == (4280, 2) and stats.seconds >= 0 and stats.gib == 4280 / 2**30
+    assert (stats.bytes, stats.storages) == (4280, 2) and stats.gib == 4280 / 2**30
     assert offload.offloaded
     assert all(t.untyped_storage().nbytes() == 0 for t in [flat, *views, other, alias])
     assert views[0].shape == (10, 30)  # the views survive as objects

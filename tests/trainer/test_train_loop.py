@@ -86,6 +86,7 @@ def test_loop_learns_with_exact_first_update(model_dir: Path, warmed_demo: Warme
     assert _files(out / "warmup_model") == _files(warmed_demo.warmed)
 
 
+@pytest.mark.torchrun
 def test_resume_matches_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
     # With a warm-up in the loop: the resumed run must not redo it.
     common = (
@@ -196,6 +197,7 @@ def test_packed_gspo_kernels_train_like_the_reference_loss(warmed: Path, tmp_pat
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (kernel, key)
 
 
+@pytest.mark.torchrun
 def test_colocated_memory_phases_change_nothing_but_memory(warmed: Path, tmp_path: Path) -> None:
     """trainer.offload_actor + rollout.release_memory: the actor leaves during rollouts, the engine frees (and
     discards) its weights during training and gets them back through the sync; with evaluation and checkpoints
@@ -213,8 +215,10 @@ def test_colocated_memory_phases_change_nothing_but_memory(warmed: Path, tmp_pat
                 assert b[key] == value, key
     for record in swapped[1:]:
         assert record["memory/actor_offloaded_gib"] > 0
-        assert record["time/actor_offload"] > 0 and record["time/actor_reload"] > 0
-        assert "time/engine_release" in record and "time/engine_resume" in record
+        assert {"time/actor_offload", "time/actor_reload", "time/engine_release", "time/engine_resume"} <= set(record)
+    # Adam's moments exist from the first update on; from then the same training state leaves every step.
+    offloaded = [r["memory/actor_offloaded_gib"] for r in swapped[1:]]
+    assert offloaded[0] < offloaded[1] == offloaded[2]
     assert "memory/actor_offloaded_gib" not in resident[1]
     result = tmp_path / "cmp.json"
     run_torchrun(
@@ -307,6 +311,7 @@ def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(warmed: Path, tmp_pa
         assert rb["routing/agreement"] > 0.9
 
 
+@pytest.mark.torchrun
 def test_logprobs_from_training_checkpoint_in_other_layouts(warmed_demo: WarmedModel, tmp_path: Path) -> None:
     """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote (the shared warm-up run's), at TP=1
     and TP=2 alike."""
