@@ -5,7 +5,8 @@ It mirrors SGLang's native /generate contract (as `SGLangEngine` reads it) so th
 - log-probs as defined in `rollout/sampling.py` (temperature-scaled, untruncated by top-k/top-p);
 - the stop token (any of `stop_token_ids`, or the model's EOS) ends a response and is kept in `response_ids`
   and its log-probs; finish_reason "stop", "length" or "abort";
-- routed experts: top-k indices of every MoE router, one row per fed position, `[prompt+response-1, L, k]`.
+- routed experts: top-k indices of every MoE router in layer order (a dense layer has no router, so no column),
+  one row per fed position, `[prompt+response-1, moe_layers, k]`.
 
 Batching: the prompts (each repeated `n` times) are decoded in chunks of `max_batch_size` rows, left-padded,
 with an explicit attention mask and position ids, and a KV cache; finished rows leave the batch (and the cache).

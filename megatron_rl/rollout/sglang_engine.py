@@ -5,8 +5,11 @@
   router when there is one). SGLang batches concurrent requests itself. Samples come back grouped prompt by
   prompt. The stop token is kept in `response_ids` (SGLang includes it in `output_ids`).
 - log-probs: SGLang's `output_token_logprobs` (temperature-scaled unless `SGLANG_RETURN_ORIGINAL_LOGPROB`).
-- routed experts: `meta_info.routed_experts`, base64 little-endian int32 `[prompt+response-1, layers, top_k]`,
-  stored as `routing.cache.routes_dtype` (uint8 for <= 256 experts, else int16).
+- routed experts: `meta_info.routed_experts`, base64 little-endian int32 `[prompt+response-1, num_hidden_layers,
+  top_k]`: SGLang 0.5.23 sends a column for every decoder layer, and a dense layer's column holds stale ids. The
+  MoE layers' columns (the family's `ModelDims.moe_layers`, in layer order) are kept, `[rows, moe_layers, top_k]`
+  as `LocalEngine` and the trainer record them, stored as `routing.cache.routes_dtype` (uint8 for <= 256
+  experts, else int16).
 - pause/resume/abort go to every server directly (the router does not proxy them).
 - release_memory/resume_memory (colocated runs; servers launched with `--enable-memory-saver`, CUDA only):
   `/release_memory_occupation` / `/resume_memory_occupation` on every server, state kept by `EngineMemory`.
@@ -23,12 +26,13 @@ import json
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.models.architecture import ModelDims, model_dims
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
@@ -39,6 +43,16 @@ from megatron_rl.routing.cache import routes_dtype
 logger = logging.getLogger(__name__)
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class _RoutesLayout:
+    """What SGLang's routed-experts rows hold and which of their columns R3 replays."""
+
+    served_layers: int  # columns per position SGLang sends: every decoder layer
+    moe_layers: tuple[int, ...]  # the columns kept, in layer order
+    top_k: int
+    num_experts: int  # picks the storage dtype
 
 
 class SGLangEngine:
@@ -64,8 +78,9 @@ class SGLangEngine:
         `weight_sync`: "tensor" | "distributed" | "disk" or a configured strategy (see `weight_sync.py`).
         `request_timeout_s`: longest a /generate request may take; `control_timeout_s`: other endpoints.
         `pause_mode`: SGLang's /pause_generation mode ("retract" keeps requests and allows /flush_cache).
-        `routed_experts_shape`: (layers, top_k) of the routed-experts rows; read from the served model's
-        config.json (via /model_info) when None. `num_experts` picks the storage dtype (read likewise).
+        `routed_experts_shape`: (layers, top_k) of the routed-experts rows of a model whose layers are all MoE
+        (every column is kept); when None, the served model's config.json (via /model_info) gives the layer
+        count, the MoE layers and top-k. `num_experts` picks the storage dtype (read likewise).
         `stop_on_eos`: also stop at the model's EOS (SGLang's `ignore_eos=false`), as `LocalEngine`.
         `extra_sampling_params`: further SGLang sampling keys sent with every request (e.g. `min_new_tokens`).
         """
@@ -80,6 +95,7 @@ class SGLangEngine:
         self._next_server = itertools.count()
         self._routed_shape = routed_experts_shape
         self._num_experts = num_experts
+        self._routes_layout: _RoutesLayout | None = None
         self._extra_sampling = {**(extra_sampling_params or {}), **({} if stop_on_eos else {"ignore_eos": True})}
         self._version = self._read_version()
         self.last_sync: SyncReport | None = None
@@ -257,7 +273,8 @@ class SGLangEngine:
             metadata["weight_versions"] = [(s["version"], s["start"], s["end"]) for s in spans]
         routed = None
         if want_routes and meta.get("routed_experts"):
-            routed = self._decode_routes(meta["routed_experts"], len(prompt) + len(response) - 1)
+            sent_rows = len(prompt) + len(item["output_ids"]) - 1  # before an abort's trim above
+            routed = self._decode_routes(meta["routed_experts"], len(prompt) + len(response) - 1, sent_rows)
         return Sample(
             prompt_ids=prompt,
             response_ids=response,
@@ -269,27 +286,46 @@ class SGLangEngine:
             metadata=metadata,
         )
 
-    def _decode_routes(self, encoded: str, rows: int) -> np.ndarray:
-        layers, top_k, num_experts = self._routed_experts_layout()
+    def _decode_routes(self, encoded: str, rows: int, sent_rows: int) -> np.ndarray:
+        """`[rows, moe_layers, top_k]` from SGLang's ids of every decoder layer (or of the MoE layers only) for
+        `rows` to `sent_rows` positions."""
+        layout = self._routed_experts_layout()
         flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
-        routes = flat.reshape(-1, layers, top_k)
-        if routes.shape[0] < rows:
-            raise SGLangServerError(f"SGLang returned routed experts for {routes.shape[0]} positions, expected {rows}")
-        return routes[:rows].astype(str(routes_dtype(num_experts)).removeprefix("torch."))  # numpy's name of it
+        top_k, moe = layout.top_k, len(layout.moe_layers)
+        for layers in dict.fromkeys((layout.served_layers, moe)):  # every layer first: what SGLang 0.5.23 sends
+            if flat.size % (layers * top_k) == 0 and rows <= flat.size // (layers * top_k) <= max(rows, sent_rows):
+                routes = flat.reshape(-1, layers, top_k)[:rows]
+                if layers != moe:
+                    routes = routes[:, list(layout.moe_layers)]
+                return routes.astype(str(routes_dtype(layout.num_experts)).removeprefix("torch."))  # numpy's name
+        raise SGLangServerError(
+            f"SGLang returned {flat.size} routed-expert ids for {sent_rows} positions: neither "
+            f"[{sent_rows}, {layout.served_layers}, {top_k}] (every decoder layer) nor [{sent_rows}, {moe}, {top_k}] "
+            "(the MoE layers) fits"
+        )
 
-    def _routed_experts_layout(self) -> tuple[int, int, int]:
-        if self._routed_shape is None or self._num_experts is None:
-            info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
-            config_path = Path(info["model_path"]) / "config.json"
-            if not config_path.exists():
-                raise ValueError(
-                    f"cannot read {config_path} to learn the routed-experts layout; pass routed_experts_shape= "
-                    "and num_experts= to SGLangEngine"
-                )
-            dims = model_dims(json.loads(config_path.read_text()))
-            self._routed_shape = self._routed_shape or (dims.num_layers, dims.top_k)
-            self._num_experts = self._num_experts or dims.num_experts
-        return (*self._routed_shape, self._num_experts)
+    def _routed_experts_layout(self) -> _RoutesLayout:
+        if self._routes_layout is None:
+            if self._routed_shape is not None:
+                layers, top_k = self._routed_shape
+                num_experts = self._num_experts or self._served_dims().num_experts
+                self._routes_layout = _RoutesLayout(layers, tuple(range(layers)), top_k, num_experts)
+            else:
+                dims = self._served_dims()
+                num_experts = self._num_experts or dims.num_experts
+                self._routes_layout = _RoutesLayout(dims.num_layers, tuple(dims.moe_layers), dims.top_k, num_experts)
+        return self._routes_layout
+
+    def _served_dims(self) -> ModelDims:
+        """The served model's `ModelDims`, from the config.json of /model_info's `model_path`."""
+        info = request_json(self.urls[0], "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
+        config_path = Path(info["model_path"]) / "config.json"
+        if not config_path.exists():
+            raise ValueError(
+                f"cannot read {config_path} to learn the routed-experts layout; pass routed_experts_shape= "
+                "and num_experts= to SGLangEngine"
+            )
+        return model_dims(json.loads(config_path.read_text()))
 
     def _read_version(self) -> str:
         try:

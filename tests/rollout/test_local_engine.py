@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.megatron_backend.models.architecture import model_dims
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.hf_weight_loading import WeightUpdateError
 from megatron_rl.rollout.local_engine import LocalEngine
@@ -84,6 +85,33 @@ def test_routed_experts_match_teacher_forcing(tiny_moe_dir: Path):
         fed = len(sample.prompt_ids) + len(sample.response_ids) - 1
         assert sample.routed_experts.shape == (fed, 3, 2) and sample.routed_experts.dtype == np.uint8
         np.testing.assert_array_equal(sample.routed_experts, routes)
+
+
+@torch.no_grad()
+def test_routed_experts_are_the_families_moe_layers_in_order(tiny_moe_dir: Path):
+    """Column j of the routes is MoE layer `model_dims(config).moe_layers[j]`'s top-k (the layout SGLang's columns
+    are reduced to), checked against each layer's own router, looked up by layer index."""
+    engine = LocalEngine(tiny_moe_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()
+    moe_layers = model_dims(model.config.to_dict()).moe_layers
+    dense = [i for i in range(model.config.num_hidden_layers) if i not in moe_layers]
+    assert dense == [1] and not hasattr(model.model.layers[1].mlp, "gate")  # a dense layer between MoE layers
+    sample = engine.generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=1), return_routed_experts=True
+    )[0]
+    per_layer: dict[int, torch.Tensor] = {}
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(lambda m, a, o, i=i: per_layer.__setitem__(i, o[2]))
+        for i in moe_layers
+    ]
+    try:
+        model(input_ids=torch.tensor([sample.prompt_ids + sample.response_ids[:-1]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sample.routed_experts.shape == (len(sample.prompt_ids) + len(sample.response_ids) - 1, len(moe_layers), 2)
+    for column, layer in enumerate(moe_layers):
+        np.testing.assert_array_equal(sample.routed_experts[:, column], per_layer[layer].numpy())
 
 
 def test_stop_token_is_kept_and_ends_the_response(engine: LocalEngine):

@@ -9,6 +9,7 @@ import base64
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +37,9 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
     - POST /generate: reads `input_ids`, `sampling_params` (`n`) and `return_routed_experts`; answers a list of `n`
       items `{"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
       "weight_version", "output_token_logprobs": [[logprob, token_id, null], ...], "routed_experts"}}`, the
-      routes base64 little-endian int32 `[prompt + response - 1, layers, top_k]`.
+      routes base64 little-endian int32 `[prompt + response - 1, layers, 2]` with a column for EVERY decoder
+      layer, as SGLang 0.5.23 sends them (a dense layer's column holds valid-looking ids): `layers` is
+      `num_hidden_layers` of `model_path`'s config.json, else 2 (or `route_layers` when set).
     - GET /model_info (`model_path`, `weight_version`), GET /health.
     - POST /release_memory_occupation and /resume_memory_occupation (`tags`): answer `null`, as SGLang does.
     - Every other POST (/pause_generation, /continue_generation, /abort_request, /flush_cache,
@@ -47,6 +50,7 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
 
     hang = False
     model_path = "/nonexistent"  # /model_info's answer
+    route_layers: int | None = None  # columns per position of the routes, overriding the served config's
     bodies: list[dict] = []
     memory_calls: list[tuple[str, list[str]]] = []
     auth: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
@@ -62,6 +66,10 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
+
+    def _served_layers(self) -> int:
+        config = Path(self.model_path) / "config.json"
+        return json.loads(config.read_text())["num_hidden_layers"] if config.exists() else 2
 
     def do_GET(self) -> None:
         type(self).auth.append((self.path, self.headers.get("Authorization")))
@@ -83,9 +91,10 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
             return
         type(self).bodies.append(body)
         prompt, n = body["input_ids"], body["sampling_params"]["n"]
-        routes = (
-            np.arange((len(prompt) + 1) * 2 * 2).reshape(-1, 2, 2) % 8 if body.get("return_routed_experts") else None
-        )
+        routes = None
+        if body.get("return_routed_experts"):
+            layers = self.route_layers or self._served_layers()
+            routes = np.arange((len(prompt) + 1) * layers * 2).reshape(-1, layers, 2) % 8
         finishes = [{"type": "stop", "matched": 2}, {"type": "length", "length": 2}, {"type": "abort", "message": "x"}]
         self._send([_item(len(prompt), [5, 2], finishes[j % 3], routes) for j in range(n)])
 
@@ -94,6 +103,7 @@ class SGLangHTTPContractFake(BaseHTTPRequestHandler):
 def sglang_contract_fake_url():
     fake = SGLangHTTPContractFake
     fake.hang, fake.model_path, fake.bodies, fake.memory_calls, fake.auth = False, "/nonexistent", [], [], []
+    fake.route_layers = None
     fake.holding, fake.release = threading.Event(), threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -224,3 +234,31 @@ def test_routed_experts_layout_comes_from_the_served_models_family(sglang_contra
     SGLangHTTPContractFake.model_path = str(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="pass routed_experts_shape= and num_experts="):
         SGLangEngine([sglang_contract_fake_url]).generate([[1]], SamplingParams(), return_routed_experts=True)
+
+
+def test_routed_experts_keep_the_moe_layers_columns(sglang_contract_fake_url, tmp_path):
+    """SGLang sends a column for every decoder layer; with `mlp_only_layers=[1]` of 3 layers the dense middle
+    column is dropped and the MoE layers' columns 0 and 2 are kept in order, `[T-1, 2, top_k]`."""
+    from megatron_rl.tiny_model import TinyQwen3MoeSpec, hf_config_dict
+
+    spec = TinyQwen3MoeSpec(num_hidden_layers=3, mlp_only_layers=(1,), num_experts=8, num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(spec)))
+    SGLangHTTPContractFake.model_path = str(tmp_path)
+    engine = SGLangEngine([sglang_contract_fake_url])
+    routes = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True)[0]
+    sent = np.arange(4 * 3 * 2).reshape(4, 3, 2) % 8  # the fake's every-layer ids
+    assert routes.routed_experts.dtype == np.uint8 and routes.routed_experts.shape == (4, 2, 2)
+    np.testing.assert_array_equal(routes.routed_experts, sent[:, [0, 2]])
+    assert not np.array_equal(sent[:, 1], sent[:, 0]) and not np.array_equal(sent[:, 1], sent[:, 2])
+
+    SGLangHTTPContractFake.route_layers = 2  # a server that sends the MoE layers only: kept as sent
+    routes = SGLangEngine([sglang_contract_fake_url]).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True
+    )[0]
+    np.testing.assert_array_equal(routes.routed_experts, np.arange(16).reshape(4, 2, 2) % 8)
+
+    SGLangHTTPContractFake.route_layers = 5  # neither layout: refused, naming both
+    with pytest.raises(SGLangServerError, match=r"neither \[4, 3, 2\] \(every decoder layer\) nor \[4, 2, 2\]"):
+        SGLangEngine([sglang_contract_fake_url]).generate(
+            [[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True
+        )
