@@ -2,7 +2,7 @@
 # Lean CPU install of SGLang 0.5.23 into its own virtualenv (default .venv-sglang), for `pytest -m sglang`.
 #
 # SGLang pins torch==2.14.1 (CUDA build) and the whole CUDA stack; on CPU we install the CPU torch 2.13 and
-# sglang with --no-deps plus the explicit dependency list of reference/sglang.md §1 ("lean install", ~3 GB).
+# sglang with --no-deps plus the explicit list below of what its server imports ("lean install", ~3 GB).
 # The server then still needs the CPU-only test shims in tests/sglang/support/ (see its README).
 # Usage: bash scripts/install_sglang_cpu.sh [VENV_DIR]
 set -euo pipefail

@@ -2,7 +2,7 @@
 # Test tier: run the Megatron tests against megatron-core 0.19.2, the release GPU clusters use.
 #
 # 0.19.x declares Requires-Python >= 3.12 but ships a cp311 wheel whose megatron.core works on 3.11
-# (see shared reference megatron-on-cpu.md §1). We install it without dependencies into a virtual
+# (nothing in it needs 3.12 at run time). We install it without dependencies into a virtual
 # environment layered on the current one, so everything else (torch, transformers) is shared.
 # Usage: scripts/test_megatron_core_019.sh [extra pytest args]
 set -euo pipefail
