@@ -257,7 +257,7 @@ def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: b
 
     tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
     dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
-    per_stage = math.ceil(d.num_layers / pp)
+    per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
     dense = max(per_layer_dense) * per_stage / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
     experts = max(per_layer_expert) * per_stage / (ep * etp)
     bf16 = cfg.model.options.dtype == "bf16"
@@ -296,7 +296,8 @@ def format_plan(plan: Plan) -> str:
         f"model: {_count(plan.params['total'])} parameters ({_count(plan.params['experts'])} in experts, "
         f"{_count(plan.params['active'])} active per token)",
         f"trainer: {len(plan.ranks)} ranks on nodes {plan.trainer_nodes}: tp={lay.tp} pp={lay.pp}"
-        f"{f' vpp={lay.vpp}' if lay.vpp else ''} cp={lay.cp} dp={lay.dp} | experts: etp={lay.etp} ep={lay.ep} "
+        f"{f' vpp={lay.vpp}' if lay.vpp else ''}{_uneven_stages(lay)} cp={lay.cp} dp={lay.dp} | "
+        f"experts: etp={lay.etp} ep={lay.ep} "
         f"edp={lay.expert_dp}",
     ]
     for node in plan.trainer_nodes:
@@ -319,6 +320,11 @@ def format_plan(plan: Plan) -> str:
     out.extend(plan.memory.lines()[: 2 if plan.servers else 1])
     out.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(out)
+
+
+def _uneven_stages(layout) -> str:
+    stages = layout.stage_layers or ()
+    return f" (layers per stage {'/'.join(map(str, stages))})" if len(set(stages)) > 1 else ""
 
 
 def _count(n: float) -> str:

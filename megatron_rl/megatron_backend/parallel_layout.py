@@ -2,13 +2,15 @@
 
 `ParallelLayout` holds the degrees a user chooses (tp, pp, vpp, ep, etp, cp, sp); the data
 parallel degree is what is left of the world size. Everything else asks this object: the
-process groups (`initialize`), the model config (`to_model_parallel_config_kwargs`), and the
+process groups (`initialize`), the model config (`to_model_parallel_config_kwargs`), the layers
+of each pipeline stage (`stage_layers`, even or set by pp_first/last_stage_layers), and the
 checks that Megatron would otherwise only fail on deep inside a run, or not at all
 (`validate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ class ResolvedLayout:
     expert_dp: int
     """Data-parallel degree of the experts: world / (etp * ep * pp)."""
     sp: bool
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers of each pipeline stage, first to last; None when the model's layer count was not given."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,21 @@ class ParallelLayout:
             "exactly when tp > 1. MoE with tp > 1 requires it."
         },
     )
+    pp_first_stage_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Transformer layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage); "
+            "None splits the layers evenly. Set it (and/or pp_last_stage_layers) when the layer count does not "
+            "divide by pp; the stages between first and last share the rest evenly. Needs pp > 1."
+        },
+    )
+    pp_last_stage_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Transformer layers on the last pipeline stage (Megatron's num_layers_in_last_pipeline_stage), "
+            "which also computes the output layer and loss; None splits the layers evenly. Needs pp > 1."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):
@@ -80,6 +99,24 @@ class ParallelLayout:
                 raise LayoutError(
                     f"vpp={self.vpp} requires pp > 1: the interleaved schedule splits each "
                     f"pipeline rank's layers into chunks, and there is no pipeline at pp={self.pp}"
+                )
+        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer or None (even split), got {value!r}")
+            if self.pp < 2:
+                raise LayoutError(
+                    f"{name}={value} requires pp > 1: it sizes a pipeline stage, and there is no pipeline "
+                    f"at pp={self.pp}"
+                )
+            if self.vpp is not None:
+                # Megatron-Core (0.16 and 0.19) accepts uneven stages with interleaving, but this project's
+                # interleaved schedule is verified with even stages only.
+                raise LayoutError(
+                    f"{name}={value} with vpp={self.vpp}: uneven pipeline stages are supported without "
+                    "interleaving only; set vpp=null, or choose pp*vpp dividing the layer count"
                 )
         if self.sp and self.tp == 1:
             raise LayoutError(
@@ -174,14 +211,7 @@ class ParallelLayout:
                 f"num_query_groups={num_query_groups} is not divisible by tp={self.tp}: "
                 "tensor parallelism splits the key/value heads (query groups) too"
             )
-        if num_layers is not None:
-            chunks = self.pp * (self.vpp or 1)
-            if num_layers % chunks:
-                what = f"pp*vpp = {self.pp}*{self.vpp} = {chunks}" if self.vpp else f"pp = {chunks}"
-                raise LayoutError(
-                    f"num_layers={num_layers} is not divisible by {what}: every "
-                    "pipeline stage (and virtual stage) must hold the same number of layers"
-                )
+        stage_layers = None if num_layers is None else self.stage_layers(num_layers)
         if is_moe and self.tp > 1 and not self.sequence_parallel:
             raise LayoutError(
                 f"MoE with tp={self.tp} requires sequence parallelism, but sp=False: Megatron's "
@@ -196,7 +226,53 @@ class ParallelLayout:
                 "received where a gradient was sent (wrong losses, no error). Use "
                 "batch_p2p_comm=False (to_model_parallel_config_kwargs does)"
             )
-        return resolved
+        return dataclasses.replace(resolved, stage_layers=stage_layers)
+
+    @property
+    def uneven_stages(self) -> bool:
+        """Whether the first or last pipeline stage has an explicit layer count."""
+        return self.pp_first_stage_layers is not None or self.pp_last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers of each pipeline stage, first to last, as Megatron-Core splits `num_layers`.
+
+        Raises LayoutError saying why the split is impossible; when the layers do not divide evenly by pp, the
+        message proposes `pp_first_stage_layers` / `pp_last_stage_layers` values that do.
+        """
+        if not self.uneven_stages:
+            chunks = self.pp * (self.vpp or 1)
+            if num_layers % chunks:
+                if self.vpp:
+                    what = f"pp*vpp = {self.pp}*{self.vpp} = {chunks}"
+                    fix = "Choose a vpp that divides the layers of each stage, or vpp=null."
+                else:
+                    what, fix = f"pp = {chunks}", uneven_split_hint(num_layers, self.pp)
+                raise LayoutError(
+                    f"num_layers={num_layers} is not divisible by {what}: every pipeline stage (and virtual "
+                    f"stage) must hold the same number of layers. {fix}"
+                )
+            return (num_layers // self.pp,) * self.pp
+        first, last = self.pp_first_stage_layers, self.pp_last_stage_layers
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        given = ", ".join(
+            f"{name}={value}"
+            for name, value in (("pp_first_stage_layers", first), ("pp_last_stage_layers", last))
+            if value is not None
+        )
+        if middle_layers < middle_stages or (middle_stages == 0 and middle_layers):
+            raise LayoutError(
+                f"{given} do not fit num_layers={num_layers} at pp={self.pp}: that leaves {middle_layers} layer(s) "
+                f"for {middle_stages} other stage(s), but each stage holds at least one layer and together they "
+                f"hold all {num_layers}. {uneven_split_hint(num_layers, self.pp)}"
+            )
+        if middle_stages and middle_layers % middle_stages:
+            raise LayoutError(
+                f"{given} leave {middle_layers} layers for the other {middle_stages} pipeline stages, which must "
+                f"split them evenly. {uneven_split_hint(num_layers, self.pp)}"
+            )
+        middle = (middle_layers // middle_stages,) * middle_stages if middle_stages else ()
+        return (*(() if first is None else (first,)), *middle, *(() if last is None else (last,)))
 
     def to_model_parallel_config_kwargs(self, *, pipeline_dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Keyword arguments for TransformerConfig / ModelParallelConfig.
@@ -216,6 +292,9 @@ class ParallelLayout:
         }
         if pipeline_dtype is not None:
             kwargs["pipeline_dtype"] = pipeline_dtype
+        if self.uneven_stages:  # TransformerConfig fields (not ModelParallelConfig's); only when set
+            kwargs["num_layers_in_first_pipeline_stage"] = self.pp_first_stage_layers
+            kwargs["num_layers_in_last_pipeline_stage"] = self.pp_last_stage_layers
         if self.vpp is not None:
             # Separate send/recv groups per direction; batching mis-pairs at pp=2 (see validate).
             kwargs["batch_p2p_comm"] = False
@@ -247,3 +326,35 @@ class ParallelLayout:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+
+
+def propose_uneven_split(num_layers: int, pp: int) -> tuple[int, int] | None:
+    """(first, last) stage layer counts that split `num_layers` over `pp` stages with the smallest largest stage.
+
+    The stages between share the rest evenly. Among splits with the same largest stage, the last stage gets the
+    fewer layers (it also runs the output layer and the loss), then the most even one wins. None when no split
+    exists (fewer layers than stages).
+    """
+    if pp < 2 or num_layers < pp:
+        return None
+    best: tuple[tuple[int, bool, int], tuple[int, int]] | None = None
+    middle_stages = pp - 2
+    for per_middle in range(1, num_layers + 1) if middle_stages else (0,):
+        rest = num_layers - middle_stages * per_middle
+        for last in range(1, rest):
+            first = rest - last
+            key = (max(first, last, per_middle), last > first, first**2 + last**2 + middle_stages * per_middle**2)
+            if best is None or key < best[0]:
+                best = (key, (first, last))
+    return None if best is None else best[1]
+
+
+def uneven_split_hint(num_layers: int, pp: int) -> str:
+    """What to set when `num_layers` does not split over `pp` stages as configured (for error messages)."""
+    split = propose_uneven_split(num_layers, pp)
+    if split is None:
+        return f"{num_layers} layers cannot fill {pp} pipeline stages: lower pp."
+    return (
+        f"Set parallel.pp_first_stage_layers={split[0]} and parallel.pp_last_stage_layers={split[1]} "
+        f"(uneven stages, without vpp), or choose a pp that divides {num_layers}."
+    )

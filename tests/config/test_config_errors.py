@@ -145,6 +145,7 @@ def test_parallel_layout_errors_are_config_errors():
     assert msg.startswith("parallel: vpp=2 requires pp > 1")
     assert "parallel: sp=True requires tp > 1" in error(["parallel.sp=true"])
     assert "parallel: tp must be a positive integer" in error(["parallel.tp=0"])
+    assert "parallel: pp_first_stage_layers=2 requires pp > 1" in error(["parallel.pp_first_stage_layers=2"])
 
 
 # ---------------------------------------------------------------- files and override syntax

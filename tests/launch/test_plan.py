@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.launch.plan import ClusterSpec, PlanError, make_plan, shell_plan
+from megatron_rl.launch.plan import ClusterSpec, PlanError, format_plan, make_plan, shell_plan
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN30B = REPO / "examples" / "hf_configs" / "qwen3_30b_a3b.json"
@@ -178,3 +178,31 @@ def test_a_model_no_family_builds_is_refused_not_planned_as_dense() -> None:
                    "first_k_dense_replace": 3, "moe_layer_freq": 1}  # fmt: skip
     with pytest.raises(PlanError, match=r"impossible plan:\n  - unsupported architecture: .*model_type='deepseek_v3'"):
         make_plan(_cfg("tiny_moe_gspo.yaml"), deepseek_v3, ClusterSpec(1, 8, 80))
+
+
+def test_planner_proposes_uneven_stages_when_the_layers_do_not_divide_by_pp() -> None:
+    """47 layers at pp=2 are refused with the overrides to set; with them the plan holds 24/23 layers per stage,
+    and the most loaded stage (24 layers) costs what a stage of the even 48-layer split costs."""
+    odd = {**_hf(QWEN30B), "num_hidden_layers": 47}
+    cluster = ClusterSpec(1, 8, 10_000)
+    layout = ("parallel.pp=2", "parallel.ep=4")
+    cfg = _cfg("qwen3_30b_a3b_gspo_8xh100.yaml", *layout)
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg, odd, cluster)
+    assert "num_layers=47 is not divisible by pp = 2" in str(err.value)
+    assert "Set parallel.pp_first_stage_layers=24 and parallel.pp_last_stage_layers=23" in str(err.value)
+
+    uneven = _cfg("qwen3_30b_a3b_gspo_8xh100.yaml", *layout, "parallel.pp_first_stage_layers=24",
+                  "parallel.pp_last_stage_layers=23")  # fmt: skip
+    plan = make_plan(uneven, odd, cluster)
+    assert plan.layout.stage_layers == (24, 23)
+    assert "pp=2 (layers per stage 24/23)" in format_plan(plan)
+    even = make_plan(cfg, _hf(QWEN30B), cluster)
+    assert even.layout.stage_layers == (24, 24) and "layers per stage" not in format_plan(even)
+    assert plan.memory.weights == even.memory.weights and plan.memory.activations == even.memory.activations
+    assert plan.params["total"] < even.params["total"]
+
+    four = _cfg("qwen3_30b_a3b_gspo_8xh100.yaml", "parallel.pp=4", "parallel.ep=2",
+                "parallel.pp_first_stage_layers=12", "parallel.pp_last_stage_layers=12")  # fmt: skip
+    with pytest.raises(PlanError, match="leave 23 layers for the other 2 pipeline stages, which must split them"):
+        make_plan(four, odd, cluster)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.megatron_backend.parallel_layout import LayoutError, ParallelLayout
+from megatron_rl.megatron_backend.parallel_layout import LayoutError, ParallelLayout, propose_uneven_split
 
 # --------------------------------------------------------------------------------------
 # Derived degrees
@@ -100,6 +100,78 @@ def test_layers_must_divide_by_pipeline_chunks() -> None:
     with pytest.raises(LayoutError, match=r"num_layers=6 is not divisible by pp\*vpp = 2\*2 = 4"):
         ParallelLayout(pp=2, vpp=2).validate(2, num_layers=6)
     ParallelLayout(pp=2, vpp=2).validate(2, num_layers=8)
+
+
+def test_uneven_stages_split_the_layers_as_configured() -> None:
+    assert ParallelLayout(pp=2, pp_first_stage_layers=2).validate(2, num_layers=3).stage_layers == (2, 1)
+    assert ParallelLayout(pp=2, pp_last_stage_layers=2).validate(2, num_layers=3).stage_layers == (1, 2)
+    both = ParallelLayout(pp=4, pp_first_stage_layers=3, pp_last_stage_layers=2)
+    assert both.validate(4, num_layers=61).stage_layers == (3, 28, 28, 2)
+    assert ParallelLayout(pp=2).validate(2, num_layers=4).stage_layers == (2, 2)
+    assert ParallelLayout(pp=2).validate(2).stage_layers is None  # no model given
+
+
+def test_uneven_stages_are_refused_with_reasons() -> None:
+    with pytest.raises(LayoutError, match=r"Set parallel.pp_first_stage_layers=2 and parallel.pp_last_stage_layers=1"):
+        ParallelLayout(pp=2).validate(2, num_layers=3)
+    with pytest.raises(LayoutError, match="that leaves 1 layer.s. for 0 other stage.s., but each stage holds"):
+        ParallelLayout(pp=2, pp_first_stage_layers=1, pp_last_stage_layers=1).validate(2, num_layers=3)
+    with pytest.raises(LayoutError, match="that leaves 0 layer.s. for 1 other stage.s."):
+        ParallelLayout(pp=2, pp_first_stage_layers=3).validate(2, num_layers=3)
+    with pytest.raises(LayoutError, match="leave 5 layers for the other 2 pipeline stages, which must split them"):
+        ParallelLayout(pp=3, pp_first_stage_layers=2).validate(3, num_layers=7)
+    with pytest.raises(LayoutError, match="3 layers cannot fill 4 pipeline stages: lower pp"):
+        ParallelLayout(pp=4).validate(4, num_layers=3)
+    with pytest.raises(LayoutError, match="pp_first_stage_layers=2 requires pp > 1"):
+        ParallelLayout(pp_first_stage_layers=2)
+    with pytest.raises(LayoutError, match="pp_last_stage_layers must be a positive integer or None"):
+        ParallelLayout(pp=2, pp_last_stage_layers=0)
+    with pytest.raises(LayoutError, match="uneven pipeline stages are supported without interleaving only"):
+        ParallelLayout(pp=2, vpp=2, pp_first_stage_layers=2)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "pp", "split"), [(3, 2, (2, 1)), (61, 16, (3, 2)), (7, 3, (3, 2)), (94, 16, (5, 5)), (2, 3, None)]
+)
+def test_proposed_split_is_valid_and_balanced(num_layers: int, pp: int, split: tuple[int, int] | None) -> None:
+    assert propose_uneven_split(num_layers, pp) == split
+    if split is not None:
+        layout = ParallelLayout(pp=pp, pp_first_stage_layers=split[0], pp_last_stage_layers=split[1])
+        stages = layout.stage_layers(num_layers)
+        assert sum(stages) == num_layers and max(stages) == -(-num_layers // pp)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ParallelLayout(pp=2, pp_first_stage_layers=2),
+        ParallelLayout(pp=2, pp_last_stage_layers=2),
+        ParallelLayout(pp=4, pp_first_stage_layers=1, pp_last_stage_layers=2),
+        ParallelLayout(pp=3, pp_last_stage_layers=1),
+    ],
+)
+def test_stage_offsets_equal_megatrons_layer_offsets(layout: ParallelLayout) -> None:
+    """Megatron numbers each layer (layer_number - 1 is its global index, which the weight mapping and routing
+    replay use) from get_transformer_layer_offset: it must start each stage where `stage_layers` says."""
+    import torch
+
+    from megatron_rl.megatron_backend import platform
+
+    platform.prepare_megatron_import()
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    num_layers = 7 if layout.pp == 4 else 5
+    stages = layout.validate(layout.pp, num_layers=num_layers).stage_layers
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        add_bias_linear=False,
+        **layout.to_model_parallel_config_kwargs(pipeline_dtype=torch.float32),
+    )
+    offsets = [get_transformer_layer_offset(config, pp_rank=rank) for rank in range(layout.pp)]
+    assert offsets == [sum(stages[:rank]) for rank in range(layout.pp)]
 
 
 def test_vpp_requires_pipeline_parallelism() -> None:
