@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
+    parser.add_argument(
+        "--pp-first-stage-layers", type=int, default=None, help="layers of the first pipeline stage (uneven stages)"
+    )
+    parser.add_argument(
+        "--pp-last-stage-layers", type=int, default=None, help="layers of the last pipeline stage (uneven stages)"
+    )
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     parser.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
@@ -99,7 +105,15 @@ def run(args: argparse.Namespace) -> int:
     hf = read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
     dims = model_dims(hf)
     samples = read_samples(Path(args.input), dims.vocab_size)
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    layout = ParallelLayout(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        ep=args.ep,
+        etp=args.etp,
+        pp_first_stage_layers=args.pp_first_stage_layers,
+        pp_last_stage_layers=args.pp_last_stage_layers,
+    )
     init_distributed(
         layout,
         seed=0,

@@ -62,3 +62,21 @@ def test_uneven_stages_match_single_process(
     assert got["ppo_kl"] == 0.0 == ref["ppo_kl"]
     assert abs(got["loss"] - ref["loss"]) < 1e-6, f"loss {got['loss']} vs {ref['loss']}"
     assert abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"] < 1e-5, (got["grad_norm"], ref["grad_norm"])
+
+
+def test_logprobs_cli_at_uneven_stages_matches_transformers(three_layer_moe: Path, tmp_path: Path) -> None:
+    """`megatron-rl logprobs --pp 2 --pp-first-stage-layers 2 --pp-last-stage-layers 1`: transformers' log-probs,
+    entropy (1e-4, fp32) and experts of both MoE layers, which sit on different stages."""
+    from tests.actor.hf_reference import hf_score, make_samples
+    from tests.actor.test_logprobs_cli import _assert_matches_hf, _write
+
+    samples = make_samples(vocab=128, n=4, seed=5)
+    inp, out = _write(tmp_path / "in.jsonl", samples), tmp_path / "out.jsonl"
+    split = ["--pp", "2", "--pp-first-stage-layers", "2", "--pp-last-stage-layers", "1"]
+    run_torchrun(
+        Path(__file__).parents[2] / "megatron_rl" / "cli.py",
+        2,
+        ["logprobs", "--hf-model", str(three_layer_moe), "--input", str(inp), "--output", str(out), *split],
+    )
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    _assert_matches_hf(got, hf_score(three_layer_moe, samples))
