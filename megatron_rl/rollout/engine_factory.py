@@ -23,6 +23,7 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
     from megatron_rl.rollout.weight_sync import make_weight_sync
 
     sg = cfg.rollout.sglang
+    refuse_models_sglang_builds_differently(model_dir)
     if cfg.rollout.release_memory and device.type != "cuda":
         raise ValueError(
             "rollout.release_memory=true with rollout.engine=sglang needs GPUs: SGLang frees memory with "
@@ -49,6 +50,29 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
         )
     weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)
     return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
+
+
+# SGLang 0.5.23 builds every decoder layer of these families as MoE: it ignores `mlp_only_layers` and
+# `decoder_sparse_step` (its Qwen2/Qwen3-MoE decoder layers are sparse unconditionally), so a checkpoint with a
+# dense layer would be served as another model (tests/sglang/test_sglang_dense_layer_routes.py shows it).
+SGLANG_ALL_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+
+
+def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
+    """A `ValueError` for a model SGLang would serve with other layers than the trainer trains."""
+    import json
+
+    from megatron_rl.megatron_backend.models.architecture import model_dims
+
+    dims = model_dims(json.loads((Path(model_dir) / "config.json").read_text()))
+    dense = [i for i, moe in enumerate(dims.moe_layer_pattern) if not moe]
+    if dims.model_type in SGLANG_ALL_MOE_FAMILIES and dense:
+        raise ValueError(
+            f"rollout.engine=sglang cannot serve this {dims.model_type} model: its layers {dense} are dense "
+            "(mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 builds every layer of this family as MoE, "
+            "so it would generate with another model than the one trained; use rollout.engine=local, or a "
+            "checkpoint whose every layer is MoE"
+        )
 
 
 def sglang_server_flags(cfg: RLConfig) -> list[str]:

@@ -259,7 +259,13 @@ class SGLangEngine:
     def _to_sample(self, prompt: list[int], item: dict, group: int, want_routes: bool) -> Sample:
         meta = item["meta_info"]
         response = [int(t) for t in item["output_ids"]]
-        log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        entries = meta.get("output_token_logprobs") or []
+        if any(entry[0] is None for entry in entries):  # SGLang sends NaN log-probs as null
+            raise SGLangServerError(
+                f"SGLang returned a null (NaN) log-prob for a generated token of group {group}: the served model "
+                "computes NaN (check its weights, or that SGLang builds the same model the trainer trains)"
+            )
+        log_probs = [float(entry[0]) for entry in entries]
         if len(log_probs) != len(response):  # an abort can cut the two lists at different points
             keep = min(len(log_probs), len(response))
             response, log_probs = response[:keep], log_probs[:keep]

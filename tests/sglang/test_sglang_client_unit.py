@@ -262,3 +262,14 @@ def test_routed_experts_keep_the_moe_layers_columns(sglang_contract_fake_url, tm
         SGLangEngine([sglang_contract_fake_url]).generate(
             [[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True
         )
+
+
+def test_null_log_prob_from_the_server_is_a_clear_error() -> None:
+    """SGLang writes a NaN log-prob as JSON null: the engine names it instead of failing in float(None)."""
+    engine = object.__new__(SGLangEngine)  # _to_sample reads only its arguments when no routes are asked for
+    item = {
+        "output_ids": [5, 6],
+        "meta_info": {"output_token_logprobs": [[-0.5, 5, None], [None, 6, None]], "finish_reason": {"type": "stop"}},
+    }
+    with pytest.raises(SGLangServerError, match="null \\(NaN\\) log-prob"):
+        engine._to_sample([1, 2], item, 0, False)
