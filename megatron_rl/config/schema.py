@@ -148,6 +148,18 @@ class AlgoConfig:
         help="MoE routing replay: R2 = record routes in the old-policy pass and replay them in training; R3 = "
         "replay the rollout engine's routes in every training-side pass",
     )
+    replay_check: Literal["every_step", "first_step", "off"] = setting(
+        "every_step",
+        help="routing replay: check at every router call that the replayed experts were used and each micro-batch's "
+        "routes consumed exactly once (RouteReplayError otherwise) in every RL step, only in the first RL step of "
+        "each start (alignment is a property of the code and layout, not of the step), or never",
+    )
+    replay_agreement_every: int = setting(
+        1,
+        help="routing replay: measure routing/agreement (replayed vs the current weights' own routes; one router "
+        "matmul per MoE layer and pass) every this many RL steps; 0 = never",
+        ge=0,
+    )
     ppo_epochs: int = setting(1, help="passes over each rollout batch", ge=1)
     mini_batches_per_step: int = setting(
         1,
@@ -279,6 +291,12 @@ class TrainerConfig:
     output_dir: str = setting("runs/megatron_rl", help="checkpoints, the resolved config, logs and plots go here")
     save_every: int = setting(50, help="save a checkpoint every N steps (and after the last); 0 = only the last", ge=0)
     keep_last: int = setting(2, help="checkpoints to keep; 0 = keep all", ge=0)
+    async_save: bool = setting(
+        False,
+        help="write checkpoints in the background (Megatron's async dist_checkpointing save) while training goes "
+        "on; a checkpoint is published (COMPLETE, latest) when its write has finished, at the next save or the "
+        "end of the run, and a save waits for the previous one",
+    )
     resume: str = setting(
         "auto",
         help="auto = continue the run in output_dir from its latest complete checkpoint (refused if output_dir "

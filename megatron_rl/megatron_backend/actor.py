@@ -44,6 +44,7 @@ from megatron_rl.megatron_backend.route_pass import RouteMode, RoutePass
 from megatron_rl.megatron_backend.routes import MoERouters
 from megatron_rl.megatron_backend.update_metrics import NonFiniteError, drop_nonfinite_update, reduce_metrics
 from megatron_rl.routing.agreement import RouteAgreement
+from megatron_rl.routing.replay import FULL_CHECKS, ReplayChecks
 
 
 @dataclass
@@ -176,6 +177,7 @@ class MegatronActor:
         *,
         forward_only: bool,
         route_mode: RouteMode = None,
+        replay: ReplayChecks = FULL_CHECKS,
         seq_len: int = 0,
     ) -> tuple[list, torch.Tensor | None, RouteAgreement | None]:
         """Run Megatron's schedule over `batches`: `(outputs, recorded routes, replay agreement)`.
@@ -188,8 +190,9 @@ class MegatronActor:
 
         chunk_of = {id(c): i for i, c in enumerate(self.chunks)}
         routes = RoutePass(
-            route_mode, self.routers, self.modules, self.dims, self.layout, micro_batches=batches, groups=self._groups
-        )
+            route_mode, self.routers, self.modules, self.dims, self.layout, micro_batches=batches,
+            groups=self._groups, checks=replay,
+        )  # fmt: skip
 
         def forward_step(data_iterator: Iterator[TokenBatch], model: nn.Module):
             mb = next(data_iterator)
@@ -232,6 +235,7 @@ class MegatronActor:
         *,
         with_entropy: bool = False,
         route_mode: RouteMode = None,
+        replay: ReplayChecks = FULL_CHECKS,
         temperature: float = 1.0,
     ) -> ScoreResult:
         """Per-token log-probs (and entropy; recorded routes or the replay agreement, per `route_mode`) for
@@ -250,7 +254,9 @@ class MegatronActor:
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {}
 
         s = batch.input_ids.shape[1]
-        _, routes, agreement = self._run(batches, loss_func, forward_only=True, route_mode=route_mode, seq_len=s)
+        _, routes, agreement = self._run(
+            batches, loss_func, forward_only=True, route_mode=route_mode, replay=replay, seq_len=s
+        )
         logp = stack_rows([lp for lp, _ in results], shard.size, s, self._groups["pp"])
         entropies = [en for _, en in results if en is not None]
         ent = stack_rows(entropies, shard.size, s, self._groups["pp"]) if with_entropy else None
@@ -269,28 +275,30 @@ class MegatronActor:
         *,
         with_entropy: bool = False,
         route_mode: Literal["replay"] | None = None,
+        replay: ReplayChecks = FULL_CHECKS,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         where: str = "this update",
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this call's global batch) at the scheduled LR, which then advances;
-        returns averaged metrics.
-
-        `route_mode="replay"`: force `batch.routes` in the forward and in the activation-recompute forward; the
-        metrics then include `routing/agreement`, `routing/token_all_layers_agree` and
-        `routing/layer_<i>_agreement` (replayed vs natural routes of the weights before this step).
-        A NaN/inf loss in any micro-batch or gradient, on any rank, stops the update before the optimizer
-        touches the weights: `on_nonfinite="stop"` raises `NonFiniteError` (naming `where` and the micro-batch);
-        "skip" drops the gradients, leaves the optimizer, schedule and `self.step` alone and returns the metrics
-        with `nonfinite_skipped` = 1.
-        """
-        return self._update(batch, loss_fn, None, with_entropy, route_mode, on_nonfinite, where)
+        returns averaged metrics. `route_mode="replay"`: force `batch.routes` in the forward and the recompute
+        forward; with `replay.agreement` the metrics include `routing/*` (replayed vs natural routes of the weights
+        before this step). A NaN/inf loss or gradient on any rank stops the update before the optimizer moves:
+        `on_nonfinite="stop"` raises `NonFiniteError` (naming `where` and the micro-batch); "skip" drops the
+        gradients, leaves optimizer, schedule and `self.step` alone and returns `nonfinite_skipped` = 1."""
+        return self._update(batch, loss_fn, None, with_entropy, route_mode, replay, on_nonfinite, where)
 
     def warmup_step(
-        self, batch: TokenBatch, loss_fn: LossFn, *, lr: float, route_mode: Literal["replay"] | None = None
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        *,
+        lr: float,
+        route_mode: Literal["replay"] | None = None,
+        replay: ReplayChecks = FULL_CHECKS,
     ) -> dict[str, float]:
         """One optimizer step at learning rate `lr` that leaves the LR schedule and `self.step` where they are
         (supervised warm-up stages; `lr=0` re-runs an update without moving the weights)."""
-        return self._update(batch, loss_fn, lr, False, route_mode, "stop", "this warm-up update")
+        return self._update(batch, loss_fn, lr, False, route_mode, replay, "stop", "this warm-up update")
 
     def _update(
         self,
@@ -299,6 +307,7 @@ class MegatronActor:
         lr: float | None,
         with_entropy: bool,
         route_mode: Literal["replay"] | None,
+        replay: ReplayChecks,
         on_nonfinite: Literal["stop", "skip"],
         where: str,
     ) -> dict[str, float]:
@@ -318,9 +327,9 @@ class MegatronActor:
             metrics["_count"] = int(count)
             return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
 
-        outputs, _, agreement = self._run(batches, loss_func, forward_only=False, route_mode=route_mode)
+        outputs, _, agreement = self._run(batches, loss_func, forward_only=False, route_mode=route_mode, replay=replay)
         if drop_nonfinite_update(outputs, self.chunks, self.optimizer, len(batches), where, on_nonfinite):
-            return {**reduce_metrics(outputs, None, self._lr(), self._groups), "nonfinite_skipped": 1.0}
+            return {**reduce_metrics(outputs, None, self.optimizer, self._groups), "nonfinite_skipped": 1.0}
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -332,10 +341,7 @@ class MegatronActor:
             self.step += 1
         else:
             self.scheduler.step(increment=0)  # put the schedule's LR back
-        metrics = reduce_metrics(outputs, grad_norm, self._lr() if lr is None else lr, self._groups)
+        metrics = reduce_metrics(outputs, grad_norm, self.optimizer, self._groups, lr=lr)
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))
         return metrics
-
-    def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])

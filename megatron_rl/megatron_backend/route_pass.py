@@ -24,6 +24,7 @@ from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.routes import MoERouters, ReplayMonitor
 from megatron_rl.routing.agreement import RouteAgreement
 from megatron_rl.routing.cache import routes_dtype
+from megatron_rl.routing.replay import FULL_CHECKS, ReplayChecks
 
 RouteMode = Literal["record", "replay"] | None
 
@@ -41,6 +42,7 @@ class RoutePass:
         *,
         micro_batches: list[TokenBatch],
         groups: dict,
+        checks: ReplayChecks = FULL_CHECKS,
     ):
         if mode not in ("record", "replay", None):
             raise ValueError(f"route mode {mode!r}: expected 'record', 'replay' or None")
@@ -49,13 +51,21 @@ class RoutePass:
         self.mode, self.routers, self.modules, self.dims, self.layout = mode, routers, modules, dims, layout
         self.micro_batches, self.groups = micro_batches, groups
         self.recorded: list[list[list[torch.Tensor]]] = [[] for _ in modules]  # [chunk][micro-batch][layer]
-        self.monitor = ReplayMonitor(routers, dims.moe_layers, measure=True) if mode == "replay" else None
+        self.checks = checks
+        watch = mode == "replay" and (checks.check or checks.agreement)
+        self.monitor = (
+            ReplayMonitor(routers, dims.moe_layers, check=checks.check, measure=checks.agreement) if watch else None
+        )
+        self._targets_only = mode == "replay" and not watch
         if mode == "record":
             routers.set_action("record")
 
     def before_forward(self, mb: TokenBatch, chunk: int) -> None:
         if self.monitor is not None:
             self.monitor.begin_micro_batch(chunk, self._set_replay_targets(mb, chunk))
+        elif self._targets_only:
+            self._set_replay_targets(mb, chunk)
+        if self.mode == "replay":
             self.routers.set_action("replay_forward", chunk=chunk)
 
     def after_forward(self, chunk: int, *, forward_only: bool) -> None:
@@ -80,8 +90,9 @@ class RoutePass:
         from megatron_rl.routing.replay import check_consumed
 
         if self.monitor is not None:
-            check_consumed(uses, len(self.micro_batches), recompute=recompute)
-            return None, self._reduce_agreement(self.monitor)
+            if self.checks.check:
+                check_consumed(uses, len(self.micro_batches), recompute=recompute)
+            return None, self._reduce_agreement(self.monitor) if self.checks.agreement else None
         if self.mode == "record":
             per_mb = [
                 [t for chunk in range(len(self.modules)) for t in self.recorded[chunk][m]]

@@ -86,30 +86,33 @@ class MoERouters:
 class ReplayMonitor:
     """Forward hooks on one model's routers while routes are replayed.
 
-    For every router call it checks that the routing Megatron used (`routing_map`) is the replayed one
-    (the target in forward; in activation recompute, the routing that forward used), counts forwards
-    and recomputes for the exactly-once check, and, with `measure`, compares the replayed routes with
+    For every router call it counts forwards and recomputes for the exactly-once check; with `check` it
+    checks that the routing Megatron used (`routing_map`) is the replayed one (the target in forward; in
+    activation recompute, the routing that forward used), counting mismatches on the device without a host
+    sync; with `measure` it compares the replayed routes with
     the routes the current weights would choose naturally (top-k of the router's own logits, recomputed
     under no_grad from the router's input: one small matmul per MoE layer).
     """
 
-    def __init__(self, routers: MoERouters, moe_layers: list[int], *, measure: bool):
+    def __init__(self, routers: MoERouters, moe_layers: list[int], *, check: bool = True, measure: bool):
         from megatron_rl.routing.agreement import AgreementCounts
 
-        self.routers, self.moe_layers, self.measure = routers, moe_layers, measure
+        self.routers, self.moe_layers, self.check, self.measure = routers, moe_layers, check, measure
         self.valid: torch.Tensor | None = None  # [tokens_local] bool for the micro-batch being run
+        self._valid_on_device: torch.Tensor | None = None
         self.disagree: dict[int, list[torch.Tensor]] = {}  # chunk -> per micro-batch [tokens_local] counts
         self.valid_of: dict[int, list[torch.Tensor]] = {}
         self.counts = AgreementCounts.zeros(len(moe_layers))
         self._forwards = {h.global_layer: 0 for h in routers.handles}
         self._recomputes = dict.fromkeys(self._forwards, 0)
-        self._mismatched = dict.fromkeys(self._forwards, 0)
+        self._mismatched: dict[int, torch.Tensor | int] = dict.fromkeys(self._forwards, 0)  # device counts
         self._used: dict[int, list[torch.Tensor]] = {layer: [] for layer in self._forwards}
         self._hooks = [h.router.register_forward_hook(self._hook(h)) for h in routers.handles]
 
     def begin_micro_batch(self, chunk: int, valid: torch.Tensor) -> None:
         """Called before each replayed forward of model chunk `chunk` with its tokens' validity (Megatron order)."""
         self.valid = valid.reshape(-1).bool()
+        self._valid_on_device = None
         self.valid_of.setdefault(chunk, []).append(self.valid)
         self.disagree.setdefault(chunk, []).append(torch.zeros(self.valid.numel(), dtype=torch.int32))
 
@@ -122,25 +125,37 @@ class ReplayMonitor:
             if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
                 return
             with torch.no_grad():
-                routing_map = output[1]
-                used = routing_map.float().topk(router.topk, dim=-1).indices.sort(-1).values.cpu()
                 layer = handle.global_layer
-                if action == RouterReplayAction.REPLAY_BACKWARD:
+                backward = action == RouterReplayAction.REPLAY_BACKWARD
+                if backward:
                     self._recomputes[layer] += 1
-                    expected = self._used[layer].pop(0) if self._used[layer] else None
-                    if expected is None or not torch.equal(expected, used):
-                        self._mismatched[layer] += 1
-                    return
-                self._forwards[layer] += 1
-                target = replay.target_topk_idx.sort(-1).values.cpu()
-                valid = self.valid if self.valid is not None else torch.ones(target.shape[0], dtype=torch.bool)
-                ok = torch.equal(target[valid], used[valid])
-                self._mismatched[layer] += 0 if ok else 1
-                self._used[layer].append(used)
-                if self.measure:
-                    self._measure(router, handle, inputs[0], target)
+                else:
+                    self._forwards[layer] += 1
+                if self.check:
+                    self._check(router, layer, output[1], backward)
+                if self.measure and not backward:
+                    self._measure(router, handle, inputs[0], replay.target_topk_idx.sort(-1).values)
 
         return hook
+
+    def _check(self, router: Any, layer: int, routing_map: torch.Tensor, backward: bool) -> None:
+        """Count (on the device, no host sync) a call whose routing differs from the replayed target (forward:
+        at the real tokens) or from what the same micro-batch's forward used (activation recompute)."""
+        used = routing_map.float().topk(router.topk, dim=-1).indices.sort(-1).values
+        if backward:
+            expected = self._used[layer].pop(0) if self._used[layer] else None
+            if expected is None or expected.shape != used.shape:
+                self._mismatched[layer] += 1
+            else:
+                self._mismatched[layer] = self._mismatched[layer] + (expected != used).any().int()
+            return
+        target = router.router_replay.target_topk_idx.sort(-1).values
+        if self._valid_on_device is None:
+            valid = self.valid if self.valid is not None else torch.ones(target.shape[0], dtype=torch.bool)
+            self._valid_on_device = valid.to(target.device)
+        wrong = ((target != used).any(-1) & self._valid_on_device).any()
+        self._mismatched[layer] = self._mismatched[layer] + wrong.int()
+        self._used[layer].append(used)
 
     def _measure(self, router: Any, handle: RouterHandle, hidden: torch.Tensor, replayed: torch.Tensor) -> None:
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
@@ -159,7 +174,7 @@ class ReplayMonitor:
             expert_bias=router.expert_bias,
         )
         natural = natural_map.float().topk(router.topk, dim=-1).indices.cpu()
-        matches = slot_matches(replayed, natural)  # [tokens_local]
+        matches = slot_matches(replayed.cpu(), natural)  # [tokens_local]
         valid = self.valid
         if valid is None:
             raise RuntimeError("measuring route agreement needs begin_micro_batch before each replayed forward")
@@ -177,7 +192,7 @@ class ReplayMonitor:
                 self._forwards[h.global_layer],
                 self._recomputes[h.global_layer],
                 len(h.router.router_replay.replay_backward_list),
-                self._mismatched[h.global_layer],
+                int(self._mismatched[h.global_layer]),
             )
             for h in self.routers.handles
         ]

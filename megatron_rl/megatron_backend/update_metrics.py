@@ -73,8 +73,11 @@ def find_nonfinite(outputs: list, chunks: list[Any], count: int, where: str) -> 
     return None
 
 
-def reduce_metrics(outputs: list, grad_norm: float | None, lr: float, groups: dict) -> dict[str, float]:
-    """Count-weighted means of the loss and the loss function's metrics over micro-batches and DP ranks."""
+def reduce_metrics(
+    outputs: list, grad_norm: float | None, optimizer: Any, groups: dict, *, lr: float | None = None
+) -> dict[str, float]:
+    """Count-weighted means of the loss and the loss function's metrics over micro-batches and DP ranks, the
+    grad norm and the learning rate (`lr`, else the optimizer's current one)."""
     from megatron.core import parallel_state as ps
 
     sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
@@ -97,5 +100,5 @@ def reduce_metrics(outputs: list, grad_norm: float | None, lr: float, groups: di
     metrics = {n: v / count for n, v in totals.items() if n != "count"}
     metrics["count"] = totals["count"]
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    metrics["lr"] = lr
+    metrics["lr"] = float(optimizer.param_groups[0]["lr"]) if lr is None else lr
     return metrics

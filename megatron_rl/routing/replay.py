@@ -55,6 +55,19 @@ class ReplayMode:
         return self.mode == "R3"
 
 
+@dataclass(frozen=True)
+class ReplayChecks:
+    """What a replaying pass verifies. `check`: every router call used the replayed experts and each
+    micro-batch's routes were consumed exactly once (`RouteReplayError` otherwise). `agreement`: measure the
+    replayed routes against the routes the current weights would choose (one router matmul per MoE layer)."""
+
+    check: bool = True
+    agreement: bool = True
+
+
+FULL_CHECKS = ReplayChecks()
+
+
 @dataclass
 class RouterUse:
     """What one router did during one replayed schedule."""

@@ -33,7 +33,7 @@ from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_f
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_factory import build_engine
-from megatron_rl.routing.replay import ReplayMode
+from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.colocation import ColocatedMemory
@@ -154,27 +154,30 @@ def _run(
             log.log(0, evaluate(cfg, parts.engine, parts.data, parts.tokenizer))  # the starting point of the curve
 
     stopped_by = None
+    saves = checkpoint.BackgroundSaves() if cfg.trainer.async_save else None
     stop.armed = True  # from here a Ctrl-C / SIGTERM stops at the next step boundary
     for step in range(state["step"] + 1, cfg.trainer.steps + 1):
         stop.step = step
-        metrics = rl_step(parts, step)
+        metrics = rl_step(parts, step, first_step=state["step"] + 1)
         if evaluating and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
             parts.memory.for_rollout()
             if rank0:
                 metrics.update(evaluate(cfg, parts.engine, parts.data, parts.tokenizer))
         saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
         if saved:
-            metrics["time/checkpoint"] = _save(parts, plan, stop, step, metrics if rank0 else None)
+            metrics["time/checkpoint"] = _save(parts, plan, stop, step, metrics if rank0 else None, saves)
         if log is not None:
             log.log(step, metrics)
         stopped_by = stop.agreed() if step < cfg.trainer.steps else None  # collective: every rank stops together
         if stopped_by is not None:
             save_now = cfg.trainer.save_on_interrupt and not saved
             if save_now:
-                _save(parts, plan, stop, step, None)  # the row is in metrics.jsonl already
+                _save(parts, plan, stop, step, None, saves)  # the row is in metrics.jsonl already
+            _finish_save(saves, stop)
             if rank0:
                 print(stop.stopped_message(step, saved_now=save_now), flush=True)
             break
+    _finish_save(saves, stop)
     plots = log.close() if log is not None else []
     return TrainResult(plan.output_dir, log.history if log is not None else [], plots, stopped_by=stopped_by)
 
@@ -223,9 +226,18 @@ def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: P
     sync_weights(actor, parts.engine, cfg, version=f"step-{state['step']}")
 
 
-def _save(parts: StepParts, plan: run_dir.RunPlan, stop: StopSignals, step: int, row: dict | None) -> float:
+def _save(
+    parts: StepParts,
+    plan: run_dir.RunPlan,
+    stop: StopSignals,
+    step: int,
+    row: dict | None,
+    saves: checkpoint.BackgroundSaves | None,
+) -> float:
     """Checkpoint `step`; its metrics row goes into the checkpoint, so a crash between publishing the checkpoint
-    and writing the row to metrics.jsonl loses nothing (the resumed run restores the row). Seconds taken."""
+    and writing the row to metrics.jsonl loses nothing (the resumed run restores the row). With `saves` the
+    tensors are written in the background and published when the next save (or `_finish_save`) waits for them.
+    Seconds the loop was held up (a background save: waiting for the previous one, and the snapshot)."""
     parts.memory.for_training(keep_engine_weights=True)
     t = time.perf_counter()
     with stop.writing(f"checkpoint of step {step}"):
@@ -236,13 +248,23 @@ def _save(parts: StepParts, plan: run_dir.RunPlan, stop: StopSignals, step: int,
             {"step": step, "sft_done": True, "data": parts.data.state_dict(), "metrics_row": row},
             keep_last=parts.cfg.trainer.keep_last or 10**9,
             run_id=plan.identity.run_id,
+            background=saves,
         )
-        stop.last_checkpoint = step
+        stop.last_checkpoint = step if saves is None else saves.published
     return time.perf_counter() - t
 
 
+def _finish_save(saves: checkpoint.BackgroundSaves | None, stop: StopSignals) -> None:
+    """Collective: wait for the background save in flight, if any, and publish it (before the run returns)."""
+    if saves is not None:
+        with stop.writing("checkpoint being written in the background"):
+            saves.wait()
+            stop.last_checkpoint = saves.published
+
+
 # ---------------------------------------------------------------------------------------------- one RL step
-def rl_step(p: StepParts, step: int) -> dict[str, float]:
+def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
+    """RL step `step`; `first_step` is the first step of this start (routing replay checks its alignment there)."""
     cfg, algo, actor = p.cfg, p.cfg.algo, p.actor
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -275,7 +297,8 @@ def rl_step(p: StepParts, step: int) -> dict[str, float]:
     routes = StepRoutes(mode, actor.dims, epochs, rows_fed=actor.rows_fed) if mode.on else None
     if routes is not None:
         routes.put_rollout(samples)
-    entropy = score_old_and_reference(p, batch, epochs[0], routes)
+    replay = replay_checks(cfg, step, first_step)
+    entropy = score_old_and_reference(p, batch, epochs[0], routes, replay)
     timings["time/old_logp"] = time.perf_counter() - t
     metrics.update(mismatch_metrics(batch, batch.fields["old_log_probs"], entropy))
 
@@ -288,6 +311,7 @@ def rl_step(p: StepParts, step: int) -> dict[str, float]:
             p.loss_fn,
             with_entropy=True,
             route_mode="replay" if routes else None,
+            replay=replay,
             on_nonfinite=cfg.trainer.on_nonfinite,
             where=f"step {step}, update {i + 1} of {len(parts)}",
         )
@@ -311,7 +335,7 @@ def rl_step(p: StepParts, step: int) -> dict[str, float]:
 
 
 def score_old_and_reference(
-    p: StepParts, batch: TokenBatch, parts: list[list[int]], routes: StepRoutes | None
+    p: StepParts, batch: TokenBatch, parts: list[list[int]], routes: StepRoutes | None, replay: ReplayChecks
 ) -> torch.Tensor:
     """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` on the micro-batches `parts` of
     the first update; the old policy's entropy. With a reference equal to the policy the KL is exactly 0."""
@@ -322,7 +346,7 @@ def score_old_and_reference(
         if routes is not None and routes.scoring_mode == "replay":
             mb = routes.attach(mb, part)
         mode = routes.scoring_mode if routes is not None else None
-        scored = p.actor.compute_log_probs(mb, with_entropy=True, route_mode=mode)
+        scored = p.actor.compute_log_probs(mb, with_entropy=True, route_mode=mode, replay=replay)
         batch.fields["old_log_probs"][part] = scored.log_probs
         if scored.entropy is not None:
             entropy[part] = scored.entropy
@@ -334,6 +358,14 @@ def score_old_and_reference(
             for part in parts:
                 batch.fields["ref_log_probs"][part] = ref_actor.compute_log_probs(select(batch, part)).log_probs
     return entropy
+
+
+def replay_checks(cfg: RLConfig, step: int, first_step: int) -> ReplayChecks:
+    """What this step's replaying passes verify (`algo.replay_check`, `algo.replay_agreement_every`)."""
+    algo = cfg.algo
+    check = algo.replay_check == "every_step" or (algo.replay_check == "first_step" and step == first_step)
+    every = algo.replay_agreement_every
+    return ReplayChecks(check=check, agreement=every > 0 and step % every == 0)
 
 
 def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> list[list[int]]:

@@ -34,6 +34,7 @@ def test_replay_forces_recorded_routes(name: str, tiny_moe_dir: Path, tmp_path: 
     # theta == theta_old: replay reproduces the recording bitwise, in scoring and in training (padding
     # positions replay the routes they were recorded with, so every expert GEMM sees the same tokens).
     assert r["replay_theta_old_max_diff"] == 0.0
+    assert r["unchecked_replay_bitwise"]  # without the checks and the metric: the same replay
     assert r["agreement_theta_old"] == 1.0
     assert r["train_theta_old_max_logp_diff"] == 0.0
     assert r["train_max_logp_diff"] == 0.0  # training pass vs a replayed scoring pass: same routes everywhere

@@ -33,7 +33,7 @@ def main() -> None:
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
     from megatron_rl.megatron_backend.route_pass import RoutePass
     from megatron_rl.routing.agreement import route_agreement
-    from megatron_rl.routing.replay import RouteReplayError
+    from megatron_rl.routing.replay import ReplayChecks, RouteReplayError
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     init_distributed(layout, seed=7)
@@ -65,6 +65,8 @@ def main() -> None:
     out["replay_theta_old_max_diff"] = float((rep.log_probs - rec.log_probs).abs().max())
     first_replay = rep.log_probs
     out["agreement_theta_old"] = rep.agreement.agreement
+    bare = actor.compute_log_probs(batch, route_mode="replay", replay=ReplayChecks(check=False, agreement=False))
+    out["unchecked_replay_bitwise"] = torch.equal(bare.log_probs, rep.log_probs) and bare.agreement is None
     if second is not None:
         rep2 = second.compute_log_probs(batch, route_mode="replay")
         out["second_model_max_diff"] = float((rep2.log_probs - rec.log_probs).abs().max())
