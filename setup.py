@@ -42,6 +42,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.8", "triton>=3.3"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
         "data": ["pyarrow>=15"],  # Parquet prompt datasets
+        "bench": ["trl==1.16.0"],  # benchmarks/bench_vs_trl.py: the peer it is timed against
         # triton runs the kernels' tests under its CPU interpreter (TRITON_INTERPRET=1); 3.7.1 is the version
         # torch 2.13's CUDA build pins.
         "dev": [
