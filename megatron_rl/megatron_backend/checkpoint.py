@@ -3,7 +3,8 @@
 The directory layout, the state files and the atomic publish are `checkpoint_format`'s.
 
 A save writes everything under a temporary name and renames it when every rank has finished, so a
-crash mid-save leaves the previous checkpoint as `latest`. Model weights reshard to any TP/EP/PP
+crash mid-save leaves the previous checkpoint as `latest`; a background save (`BackgroundSaves`) renames it
+when its writers have finished, before the next save starts. Model weights reshard to any TP/EP/PP
 layout (Megatron's sharded tensors carry global keys); the distributed optimizer's state uses the
 `dp_reshardable` format, which reshards across data-parallel sizes only.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import os
 import resource
 import shutil
@@ -172,6 +174,22 @@ def _out_of_space(err: BaseException, tmp: Path) -> str | None:
     return None
 
 
+def _out_of_space_error(err: BaseException, root: Path, step: int) -> CheckpointError | None:
+    """The one-line error for a save of `step` under `root` that failed for want of space, after removing the
+    partial save (the previous checkpoint stays `latest`); None if a full disk is not behind `err`."""
+    tmp = staging_dir(root / step_dir_name(step))
+    reason = _out_of_space(err, tmp)
+    if reason is None:
+        return None
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(root)
+    return CheckpointError(
+        f"no space left for checkpoint {step_dir_name(step)} in {root} ({reason}); the partial save "
+        f"was removed and the latest checkpoint is still {previous.name if previous else 'none'}: free space "
+        "(or set trainer.output_dir elsewhere) and resume with trainer.resume=auto"
+    )
+
+
 def _reports_out_of_space(save):
     """`save_checkpoint` that turns a full disk into one line naming the folder, after removing the partial save
     (the previous checkpoint stays `latest`), instead of a traceback from deep inside the writer."""
@@ -183,20 +201,55 @@ def _reports_out_of_space(save):
         try:
             return save(actor, root, step, *args, **kwargs)
         except (Exception, CheckpointException) as err:
-            tmp = staging_dir(Path(root) / step_dir_name(step))
-            reason = _out_of_space(err, tmp)
-            if reason is None:
+            report = _out_of_space_error(err, Path(root), step)
+            if report is None:
                 raise
-            root = Path(root)
-            shutil.rmtree(tmp, ignore_errors=True)
-            previous = latest_checkpoint(root)
-            raise CheckpointError(
-                f"no space left for checkpoint {step_dir_name(step)} in {root} ({reason}); the partial save "
-                f"was removed and the latest checkpoint is still {previous.name if previous else 'none'}: free space "
-                "(or set trainer.output_dir elsewhere) and resume with trainer.resume=auto"
-            ) from err
+            raise report from err
 
     return save_or_report
+
+
+class BackgroundSaves:
+    """Checkpoints written in the background by Megatron's async dist_checkpointing save, at most one at a time.
+
+    Each save's writer is a forked process: it writes host tensors as they were at the fork (copy-on-write) and
+    device tensors from a host copy made before it, so training goes on while it writes and the checkpoint still
+    holds the state of its step. The save is published (`COMPLETE`, rename, `latest`, pruning) by the request's
+    finalize step, which runs on every rank once every rank's writer has finished: in `wait`, which the next save
+    calls first. A crash before then leaves only the staging folder, so the previous checkpoint stays `latest`.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._queue = AsyncCallsQueue(persistent=False)  # persistent workers would share, not snapshot, host tensors
+        self._in_flight: tuple[Path, int] | None = None  # (root, step) of the save being written
+        self.published: int | None = None  # the step of the newest checkpoint this object published
+
+    def schedule(self, request: Any, root: Path, step: int) -> None:
+        """Collective: start writing `request` (Megatron's AsyncRequest, publishing included) in the background."""
+        if self._in_flight is not None:
+            raise RuntimeError("a checkpoint save is still in flight: wait() for it first")
+        self._queue.schedule_async_request(request)
+        self._in_flight = (root, step)
+
+    def wait(self) -> int | None:
+        """Collective: wait until the save in flight is written and published; its step (None if none was)."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        if self._in_flight is None:
+            return None
+        root, step = self._in_flight
+        self._in_flight = None
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+        except (Exception, CheckpointException) as err:
+            report = _out_of_space_error(err, root, step)
+            if report is None:
+                raise
+            raise report from err
+        self.published = step
+        return step
 
 
 def start_checkpoint_writer() -> None:
@@ -227,13 +280,18 @@ def save_checkpoint(
     *,
     keep_last: int = 2,
     run_id: str | None = None,
+    background: BackgroundSaves | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
     `run_id` is recorded in trainer_state.json; pruning to `keep_last` only removes checkpoints of the same run
-    id (never another run's, never the one `latest` names)."""
+    id (never another run's, never the one `latest` names). With `background` the model and optimizer tensors
+    are written in the background and the checkpoint is published by `background.wait()` (which this function
+    calls first: a save waits for the previous one); the small state files are written now."""
     from megatron.core import dist_checkpointing
 
+    if background is not None:
+        background.wait()
     root = Path(root)
     rank = dist.get_rank()
     final = root / step_dir_name(step)
@@ -250,7 +308,8 @@ def save_checkpoint(
     if actor.optimizer is not None:
         _init_unstepped_adam_state(actor)
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
-    dist_checkpointing.save(state, str(tmp / MEGATRON_DIR))
+    options = _background_save_options(dist_checkpointing.save) if background is not None else {}
+    request = dist_checkpointing.save(state, str(tmp / MEGATRON_DIR), **options)
     torch.save(_rng_state(), rng_file(tmp, rank))
     if rank == 0:
         write_trainer_state(
@@ -264,13 +323,34 @@ def save_checkpoint(
             run_id=run_id,
         )
         write_hf_config(tmp, actor.hf_config)
+    publish = functools.partial(_publish, root, step, keep_last, run_id)
+    if background is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)
+        background.schedule(request, root, step)
+    return final
+
+
+def _background_save_options(save: Any) -> dict[str, Any]:
+    """`dist_checkpointing.save`'s options for a background save with Megatron's own writer, which `AsyncCallsQueue`
+    runs (0.19.x defaults to NVIDIA Resiliency Extension's, `async_strategy="nvrx"`, not a dependency of ours)."""
+    options: dict[str, Any] = {"async_sharded_save": True}
+    if "async_strategy" in inspect.signature(save).parameters:
+        options["async_strategy"] = "mcore"
+    return options
+
+
+def _publish(root: Path, step: int, keep_last: int, run_id: str | None) -> None:
+    """Collective: once every rank has written its part of `step`'s staging folder, mark it complete, rename it,
+    point `latest` at it and prune."""
+    final = root / step_dir_name(step)
     dist.barrier()
-    if rank == 0:
-        publish_checkpoint(tmp, final, overwrite=True)
+    if dist.get_rank() == 0:
+        publish_checkpoint(staging_dir(final), final, overwrite=True)
         write_latest(root, final)
         prune_checkpoints(root, keep_last, run_id)
     dist.barrier()
-    return final
 
 
 def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True) -> dict:
@@ -309,6 +389,8 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
             if saved.get("adam_steps"):
                 _restore_adam_steps(actor, saved["adam_steps"])
     if with_optimizer and actor.scheduler is not None and saved.get("scheduler"):
+        if hasattr(actor.scheduler, "num_steps"):  # Megatron's scheduler adds the saved step count to its own
+            actor.scheduler.num_steps = 0
         actor.scheduler.load_state_dict(saved["scheduler"])
     actor.step = saved.get("actor_step", saved["step"])
     rng = rng_file(path, dist.get_rank())

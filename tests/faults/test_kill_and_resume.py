@@ -148,3 +148,60 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_resume_exactly(fault_model: Path, r
     assert comparable(rows) == comparable(reference.rows)
     cmp = compare_checkpoints(latest(out), reference.final)
     assert cmp.different == [] and cmp.bytes_lost == 0
+
+
+def _forked_writers(pid: int) -> int:
+    """Children of `pid` running its own program: Megatron's forked checkpoint writers (its spawned helper runs
+    another command line)."""
+    own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    count = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            count += ppid == pid and (stat.parent / "cmdline").read_bytes() == own
+        except (OSError, IndexError, ValueError):
+            continue
+    return count
+
+
+def test_sigkill_during_background_save_then_resume_is_exact(fault_model: Path, reference: Reference, tmp_path: Path):
+    """trainer.async_save=true: a checkpoint is written while the next step runs and published when the next save
+    (or the end of the run) has waited for it. A SIGKILL while a save is in flight (its step logged, its staging
+    folder not published) or at a random moment after its write started leaves the previous checkpoint as `latest`,
+    complete; resuming in the same mode ends bit for bit where the uninterrupted synchronous run ends."""
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    rng = random.Random(int(os.environ.get("FAULTS_SEED", "20261130")))
+    kills = []
+    for moment in ("save in flight", "random moment of the write", "save in flight"):
+        start = _step_of(latest(out))
+        target = start + 2
+        run = Trainer(train_command(out, fault_model, "trainer.async_save=true"))
+        staging = ckpts / f".tmp_step_{target:09d}"
+        if moment == "save in flight":
+            assert run.wait_for(rf"^step {target}/{STEPS}\b") is not None, run.output()[-3000:]
+        else:
+            assert run.wait_for(rf"^step {target - 1}/{STEPS}\b") is not None, run.output()[-3000:]
+            while not staging.exists() and run.proc.poll() is None:
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, reference.rows[target - 1].get("time/checkpoint", 0.0) + 0.5))
+        writers = _forked_writers(run.proc.pid) if run.proc.poll() is None else 0
+        run.signal(signal.SIGKILL)
+        assert run.wait() == -signal.SIGKILL, run.output()[-3000:]
+        after = latest(out)
+        assert after is not None and (after / "COMPLETE").is_file(), f"latest names {after}, which is incomplete"
+        if moment == "save in flight":  # the step's save was started and not published: the previous one stays
+            assert staging.is_dir() and _step_of(after) == target - 1, (staging, after)
+        kills.append({"moment": moment, "step": target, "writers_alive": writers, "latest_after": _step_of(after)})
+        print(f"kill {len(kills)}: {kills[-1]}")
+    assert any(k["writers_alive"] for k in kills), f"no kill landed while a background writer ran: {kills}"
+    last = Trainer(train_command(out, fault_model, "trainer.async_save=true"))
+    assert last.wait() == 0, last.output()[-3000:]
+    final = latest(out)
+    assert final is not None and final.name == reference.final.name
+    assert not list(ckpts.glob(".tmp_step_*")), "the last background save was published before the run returned"
+    cmp = compare_checkpoints(final, reference.final)
+    assert cmp.different == [], f"differs from the uninterrupted run: {cmp.different[:10]}"
+    assert cmp.bytes_lost == 0 and cmp.bytes_compared > 0
+    rows = history(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "every step logged exactly once, in order"
+    assert comparable(rows) == comparable(reference.rows)

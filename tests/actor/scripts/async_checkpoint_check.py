@@ -1,0 +1,92 @@
+"""Run under torchrun: checkpoints written in the background (`BackgroundSaves`) while training goes on.
+
+Trains step 1, saves it in the background, trains step 2 (the weights change while the save is written), saves
+step 2 (which waits for step 1 and publishes it), waits, and trains step 3. Then loads step 1 and scores the batch,
+and loads step 2 and trains step 3 again. Writes what each rank saw as JSON.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from megatron_rl.algorithms import policy_loss
+    from megatron_rl.megatron_backend import checkpoint
+    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.checkpoint_format import is_complete, step_dir_name
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout()
+    init_distributed(layout, seed=11)
+    actor = MegatronActor.from_hf(
+        args.model,
+        layout,
+        optimizer_options=OptimizerOptions(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=10),
+        micro_batch_tokens=64,
+    )
+    gen = torch.Generator().manual_seed(5)
+    b, s = 6, 20
+    ids = torch.randint(4, 100, (b, s), generator=gen)
+    batch = TokenBatch(ids, torch.full((b,), s), torch.full((b,), 6))
+    root = Path(args.ckpt)
+
+    def loss_fn(logp, ent, mb):
+        mask = mb.response_mask().to(logp.device).float()
+        adv = mb.fields["advantages"].to(logp.device)
+        loss, metrics = policy_loss("ppo", logp, mb.fields["old_log_probs"].to(logp.device), adv, mask)
+        count = mask.sum().to(torch.int)
+        return loss * count, count, {"ppo_kl": metrics["ppo_kl"]}
+
+    def train(step: int) -> dict:
+        batch.fields["old_log_probs"] = actor.compute_log_probs(batch).log_probs
+        batch.fields["advantages"] = torch.randn(b, 1).expand(b, s).contiguous()  # the RNG must resume too
+        metrics = actor.train_step(batch, loss_fn)
+        return {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]}
+
+    def on_disk() -> dict:
+        latest = root / "latest"
+        return {
+            "latest": latest.read_text() if latest.is_file() else None,
+            "complete": [step for step in (1, 2) if is_complete(root / step_dir_name(step))],
+        }
+
+    def log_probs() -> list:
+        return actor.compute_log_probs(batch).log_probs.tolist()
+
+    results: dict = {}
+    background = checkpoint.BackgroundSaves()
+    train(1)
+    results["step1_log_probs"] = log_probs()
+    checkpoint.save_checkpoint(actor, root, 1, {"data_position": 1}, background=background)
+    results["after_save1"] = on_disk()
+    train(2)  # changes the weights and moments in place while step 1 is written
+    results["step2_log_probs"] = log_probs()
+    checkpoint.save_checkpoint(actor, root, 2, {"data_position": 2}, background=background)
+    results["after_save2"] = {**on_disk(), "published": background.published}
+    results["waited"] = background.wait()
+    results["after_wait"] = on_disk()
+    results["full_step3"] = train(3)
+
+    checkpoint.load_checkpoint(actor, root / step_dir_name(1))
+    results["loaded1_log_probs"] = log_probs()
+    results["loaded2_state"] = checkpoint.load_checkpoint(actor, root / step_dir_name(2))
+    results["loaded2_log_probs"] = log_probs()
+    results["resumed_step3"] = train(3)
+    if torch.distributed.get_rank() == 0:
+        json.dump(results, open(args.out, "w"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
