@@ -43,6 +43,9 @@ RESUMABLE_CHANGES = (
     "rollout.bucket_mb",
     "rollout.restarts_per_step",
     "rollout.release_memory",
+    "trainer.async_save",
+    "algo.replay_check",  # what replay verifies and measures, not what it computes
+    "algo.replay_agreement_every",
 )
 
 

@@ -248,7 +248,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(model_dir: Path,
 def test_run_identity_ignores_what_may_change_on_resume() -> None:
     base = load_config(EXAMPLE)
     same = load_config(EXAMPLE, ["trainer.steps=7", "trainer.resume=never", "logging.wandb=false",
-                                 "trainer.save_every=3", "trainer.output_dir=/elsewhere"])  # fmt: skip
+                                 "trainer.save_every=3", "trainer.output_dir=/elsewhere", "trainer.async_save=true",
+                                 "algo.replay_check=first_step", "algo.replay_agreement_every=10"])  # fmt: skip
     assert run_dir.config_hash(same) == run_dir.config_hash(base)
     other = load_config(EXAMPLE, ["algo.preset=grpo"])
     assert run_dir.config_hash(other) != run_dir.config_hash(base)
