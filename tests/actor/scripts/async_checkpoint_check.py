@@ -19,34 +19,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from megatron_rl.algorithms import policy_loss
+    from checkpoint_check import actor_batch_and_loss  # the sibling script (this folder is sys.path[0])
+
     from megatron_rl.megatron_backend import checkpoint
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
     from megatron_rl.megatron_backend.checkpoint_format import is_complete, step_dir_name
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
     layout = ParallelLayout()
     init_distributed(layout, seed=11)
-    actor = MegatronActor.from_hf(
-        args.model,
-        layout,
-        optimizer_options=OptimizerOptions(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=10),
-        micro_batch_tokens=64,
-    )
-    gen = torch.Generator().manual_seed(5)
-    b, s = 6, 20
-    ids = torch.randint(4, 100, (b, s), generator=gen)
-    batch = TokenBatch(ids, torch.full((b,), s), torch.full((b,), 6))
+    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout)
+    b, s = batch.input_ids.shape
     root = Path(args.ckpt)
-
-    def loss_fn(logp, ent, mb):
-        mask = mb.response_mask().to(logp.device).float()
-        adv = mb.fields["advantages"].to(logp.device)
-        loss, metrics = policy_loss("ppo", logp, mb.fields["old_log_probs"].to(logp.device), adv, mask)
-        count = mask.sum().to(torch.int)
-        return loss * count, count, {"ppo_kl": metrics["ppo_kl"]}
 
     def train(step: int) -> dict:
         batch.fields["old_log_probs"] = actor.compute_log_probs(batch).log_probs

@@ -13,27 +13,14 @@ import os
 import torch
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", required=True, choices=["full", "resume", "crash", "score"])
-    for name in ("tp", "pp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=1)
-    args = parser.parse_args()
-
+def actor_batch_and_loss(model: str, layout):
+    """The actor (cosine LR schedule), a 6 x 20 batch and a PPO loss that these checkpoint scripts train with."""
     from megatron_rl.algorithms import policy_loss
-    from megatron_rl.megatron_backend import checkpoint
     from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.batch import TokenBatch
-    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
-    init_distributed(layout, seed=11)
     actor = MegatronActor.from_hf(
-        args.model,
+        model,
         layout,
         optimizer_options=OptimizerOptions(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=10),
         micro_batch_tokens=64,
@@ -49,6 +36,28 @@ def main() -> None:
         loss, metrics = policy_loss("ppo", logp, mb.fields["old_log_probs"].to(logp.device), adv, mask)
         count = mask.sum().to(torch.int)
         return loss * count, count, {"ppo_kl": metrics["ppo_kl"]}
+
+    return actor, batch, loss_fn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--phase", required=True, choices=["full", "resume", "crash", "score"])
+    for name in ("tp", "pp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    args = parser.parse_args()
+
+    from megatron_rl.megatron_backend import checkpoint
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+    init_distributed(layout, seed=11)
+    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout)
+    b, s = batch.input_ids.shape
 
     def train(step: int) -> dict:
         batch.fields["old_log_probs"] = actor.compute_log_probs(batch).log_probs
