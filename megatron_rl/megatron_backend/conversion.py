@@ -47,17 +47,19 @@ from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_
 from megatron_rl.megatron_backend.hf_weights import (
     SafetensorsIndex,
     WeightMismatchError,
-    canonical_name,
     read_hf_config,
-    rules_by_name,
+    unused_checkpoint_tensors,
 )
 from megatron_rl.megatron_backend.models import get_family
 from megatron_rl.megatron_backend.models.architecture import check_same_architecture
 from megatron_rl.megatron_backend.models.family import HFConfig
+from megatron_rl.megatron_backend.models.mapping import WeightMap, WeightRule, canonical_name
 from megatron_rl.megatron_backend.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
 from megatron_rl.net import free_port
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Checkpoint tensors the model does not use (MTP layers), stored as they came so HF -> Megatron -> HF keeps them.
+UNUSED_WEIGHTS_DIR = f"{HF_EXTRAS_DIR}/unused_weights"
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -100,10 +102,15 @@ def hf_to_megatron(
     target = _resolve_dtype(dtype, hf)
     _check_new_output(out_dir)
     tmp = fresh_staging_dir(out_dir)
+    weights = family.weight_map(hf)
+    unused = sorted(
+        n for names in unused_checkpoint_tensors(family, weights, index.names(), hf_dir).values() for n in names
+    )
     with _single_process_megatron():
         model = _meta_model(hf, target)
-        params = {canonical_name(name): p for name, p in model.named_parameters()}
-        source = _HFTensorSource(index, rules_by_name(family, hf), params, hf)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        params = {canonical_name(n): p for n, p in tensors if weights.rule(canonical_name(n)) is not None}
+        source = _HFTensorSource(index, weights, params, hf)
         source.check_shapes()
         (tmp / MEGATRON_DIR).mkdir()
         try:
@@ -118,6 +125,8 @@ def hf_to_megatron(
     if hf_dir.is_dir():
         (tmp / HF_EXTRAS_DIR).mkdir()
         copy_files(hf_dir, tmp / HF_EXTRAS_DIR, HF_EXTRA_FILES)
+    if unused:  # kept as they are (MTP layers), so the round trip gives the checkpoint back whole
+        write_safetensors_dir(tmp / UNUSED_WEIGHTS_DIR, ([(n, index.get(n))] for n in unused))
     publish_checkpoint(tmp, out_dir, overwrite=False)
     return _report(source.tensors, source.bytes, start, source.largest, start_rss)
 
@@ -144,8 +153,11 @@ def check_hf_tensors(hf: HFConfig, index: SafetensorsIndex, where: Path) -> None
         )
     if dims.num_experts:
         layer = dims.moe_layers[0]
-        experts = {n.split(".experts.")[1].split(".")[0] for n in names if f"layers.{layer}." in n and ".experts." in n}
+        in_layer = sorted(n for n in names if f"layers.{layer}." in n and ".experts." in n)
+        experts = {n.split(".experts.")[1].split(".")[0] for n in in_layer}
         found = len({e for e in experts if e.isdigit()})
+        if not found and in_layer:  # one tensor stacks every expert (GPT-OSS)
+            found = index.shape(in_layer[0])[0]
         if found != dims.num_experts:
             raise WeightMismatchError(
                 f"{where}: config.json has {dims.num_experts} experts per layer (num_experts/num_local_experts) "
@@ -156,8 +168,8 @@ def check_hf_tensors(hf: HFConfig, index: SafetensorsIndex, where: Path) -> None
 class _HFTensorSource:
     """Builds a Megatron parameter from HF tensors on demand; the writer asks for views of it."""
 
-    def __init__(self, index: SafetensorsIndex, rules: dict, params: dict[str, torch.nn.Parameter], hf: HFConfig):
-        self.index, self.rules, self.params, self.hf = index, rules, params, hf
+    def __init__(self, index: SafetensorsIndex, weights: WeightMap, params: dict[str, torch.Tensor], hf: HFConfig):
+        self.index, self.weights, self.params, self.hf = index, weights, params, hf
         self._by_storage = {p.untyped_storage()._cdata: name for name, p in params.items()}
         self._cached: tuple[str, torch.Tensor] | None = None
         self.tensors = self.bytes = self.largest = 0
@@ -169,14 +181,19 @@ class _HFTensorSource:
             raise WeightMismatchError(
                 f"the HF checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:3]}"
             )
+
+        def meta(name: str, expert_slot: int | None) -> torch.Tensor:
+            shape = self.index.shape(name)
+            return torch.empty(shape if expert_slot is None else shape[1:], device="meta")
+
         for name, param in self.params.items():
             rule = self._rule(name)
-            shapes = [self.index.shape(n) for n in rule.hf]
-            built = rule.to_megatron([torch.empty(s, device="meta") for s in shapes]).shape
+            built = self.weights.build(rule, meta).shape
             expected = param.shape
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if rule.vocab_padded:
                 built, expected = built[1:], expected[1:]  # rows are the (padded) vocabulary, checked above
             if tuple(built) != tuple(expected):
+                shapes = [self.index.shape(n) for n in rule.hf]
                 raise WeightMismatchError(
                     f"{', '.join(rule.hf)} with shapes {shapes} make a {name} of shape {tuple(built)}, but "
                     f"config.json gives {tuple(expected)}: the config ({_arch_summary(self.hf)}) does not belong to "
@@ -200,14 +217,12 @@ class _HFTensorSource:
         return part
 
     def _build(self, name: str) -> torch.Tensor:
-        rule, param = self._rule(name), self.params[name]
-        full = rule.to_megatron([self.index.get(n) for n in rule.hf])
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight") and full.shape[0] < param.shape[0]:
-            full = torch.cat([full, full.new_zeros((param.shape[0] - full.shape[0], *full.shape[1:]))])
+        param = self.params[name]
+        full = self.weights.build(self._rule(name), self.index.get, param.shape[0])
         return full.to(param.dtype).contiguous()
 
-    def _rule(self, name: str):
-        rule = self.rules.get(name)
+    def _rule(self, name: str) -> WeightRule:
+        rule = self.weights.rule(name)
         if rule is None:
             raise WeightMismatchError(f"no HF weight rule for Megatron parameter {name!r}")
         return rule
@@ -267,25 +282,28 @@ def megatron_to_hf(
     family = get_family(hf)
     dims = family.dims(hf)
     target = _resolve_dtype(dtype, hf)
-    rules = rules_by_name(family, hf)
+    weights = family.weight_map(hf)
     out_dir = Path(out_dir)
     _check_new_output(out_dir)
     largest = 0
 
     def shards(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
         nonlocal largest
+        builder = weights.hf_tensor_builder(dims.vocab_size)
         for group in _groups(model.sharded_state_dict(), bucket_mb << 20):
             shard: list[tuple[str, torch.Tensor]] = []
             for name, full in _load_group(group, path / MEGATRON_DIR).items():
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    if dims.tie_word_embeddings and name == "output_layer.weight":
-                        continue
-                    full = full[: dims.vocab_size]
+                rule = weights.rule(name)
+                if rule is None or (dims.tie_word_embeddings and name == "output_layer.weight"):
+                    continue  # not a weight of the HF model (a tied output layer, an unmapped buffer)
                 largest = max(largest, full.nbytes)
-                shard += [
-                    (n, t.to(target).contiguous()) for n, t in zip(rules[name].hf, rules[name].to_hf(full), strict=True)
-                ]
+                shard += [(n, t.to(target).contiguous()) for n, t in builder.add(rule, full)]
             yield shard  # an empty one (only a tied output layer) writes no file
+        builder.check_finished()
+        unused = path / UNUSED_WEIGHTS_DIR
+        if unused.is_dir():
+            index = SafetensorsIndex(unused)
+            yield from ([(n, index.get(n))] for n in sorted(index.names()))
 
     notes: tuple[str, ...] = ()
 

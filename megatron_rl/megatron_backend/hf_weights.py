@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError, WeightRule
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError
+from megatron_rl.megatron_backend.models.mapping import WeightMap, WeightRule, canonical_name
 from megatron_rl.megatron_backend.safetensors_files import safetensors_weight_map
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-# Transformer Engine spec names -> the local spec names our rules are written in.
-_TE_ALIASES = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
-)
 
 
 class WeightMismatchError(ValueError):
@@ -51,10 +48,10 @@ def read_hf_config(model_dir: str | Path, *, role: str = "the model directory") 
 
 @dataclass
 class LocalParam:
-    """A parameter of this rank's model chunks with its global (unsharded, HF-independent) identity."""
+    """A parameter (or mapped buffer) of this rank's model chunks with its global, HF-independent identity."""
 
     global_name: str
-    param: nn.Parameter
+    param: torch.Tensor
     is_expert: bool
 
 
@@ -69,18 +66,21 @@ def _rank_info() -> tuple[int, int, int, int]:
     )
 
 
-def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
-    """All parameters of this rank, named by global layer and global expert index."""
+def local_params(chunks: list[nn.Module], weights: WeightMap) -> list[LocalParam]:
+    """This rank's parameters, and the buffers a mapping covers (a router's expert bias), named by global layer and
+    global expert index."""
     from megatron.core import parallel_state as ps
 
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
-    local_experts = num_experts // ep_size
+    local_experts = weights.num_experts // ep_size
     out: list[LocalParam] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []
-        for name, param in model.named_parameters():
+        tensors = [(n, t, True) for n, t in model.named_parameters()]
+        tensors += [(n, t, False) for n, t in model.named_buffers()]
+        for name, param, is_param in tensors:
             name = canonical_name(name)
             layer_match = _LAYER.match(name)
             if layer_match:
@@ -94,7 +94,8 @@ def local_params(chunks: list[nn.Module], num_experts: int) -> list[LocalParam]:
                     + f".mlp.experts.local_experts.{global_expert}."
                     + name[expert_match.end() :]
                 )
-            out.append(LocalParam(name, param, is_expert=expert_match is not None))
+            if is_param or weights.rule(name) is not None:
+                out.append(LocalParam(name, param, is_expert=expert_match is not None))
     return out
 
 
@@ -109,24 +110,6 @@ def unwrap_model(module: nn.Module) -> Any:
     return model
 
 
-def canonical_name(name: str) -> str:
-    """A parameter name in the local-spec spelling our weight rules use (Transformer Engine names mapped)."""
-    for te_name, local_name in _TE_ALIASES:
-        if name.endswith(te_name):
-            return name[: -len(te_name)] + local_name
-    return name
-
-
-def rules_by_name(family: ModelFamily, hf: HFConfig) -> dict[str, WeightRule]:
-    """The family's weight rules keyed by Megatron parameter name (with tied embeddings, the output layer too)."""
-    rules = {rule.megatron: rule for rule in family.weight_rules(hf)}
-    if family.dims(hf).tie_word_embeddings:
-        # With tied embeddings the last pipeline stage still holds its own copy of the output layer.
-        embedding = rules["embedding.word_embeddings.weight"]
-        rules["output_layer.weight"] = WeightRule("output_layer.weight", embedding.hf)
-    return rules
-
-
 def _tp_sharded(param: torch.Tensor) -> bool:
     """Whether Megatron splits `param` across tensor-parallel ranks (an attribute Megatron sets on the parameter)."""
     return bool(getattr(param, "tensor_model_parallel", False))
@@ -138,7 +121,7 @@ def _partition_dim(param: torch.Tensor) -> int:
     return int(megatron_param.partition_dim)
 
 
-def _shard(full: torch.Tensor, param: nn.Parameter, rule: WeightRule, rank: int, size: int) -> torch.Tensor:
+def _shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule, rank: int, size: int) -> torch.Tensor:
     """This rank's slice of the full Megatron tensor, following Megatron's partitioning of `param`."""
     if size == 1 or not _tp_sharded(param):
         return full
@@ -146,13 +129,6 @@ def _shard(full: torch.Tensor, param: nn.Parameter, rule: WeightRule, rank: int,
     if rule.glu:  # [gate; up] -> [gate_r; up_r]
         return torch.cat([half.chunk(size, dim=dim)[rank] for half in full.chunk(2, dim=0)], dim=0)
     return full.chunk(size, dim=dim)[rank]
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.shape[0] == rows:
-        return tensor
-    pad = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
-    return torch.cat([tensor, pad], dim=0)
 
 
 class SafetensorsIndex:
@@ -166,52 +142,74 @@ class SafetensorsIndex:
         self._open = safe_open
         self._handles: dict[str, Any] = {}  # open safetensors files (safe_open handles)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, expert_slot: int | None = None) -> torch.Tensor:
+        """The tensor, or only row `expert_slot` of a tensor that stacks all experts (nothing else is read)."""
+        handle = self._handle(name)
+        if expert_slot is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[expert_slot : expert_slot + 1][0]
+
+    def _handle(self, name: str) -> Any:
         if name not in self._map:
             raise WeightMismatchError(f"checkpoint has no tensor {name!r}: is it a checkpoint of this architecture?")
         file = self._map[name]
         if file not in self._handles:
             self._handles[file] = self._open(self._dir / file, "pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
 
     def names(self) -> set[str]:
         return set(self._map)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape from the file header (nothing is read)."""
-        if name not in self._map:
-            raise WeightMismatchError(f"checkpoint has no tensor {name!r}: is it a checkpoint of this architecture?")
-        file = self._map[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(self._dir / file, "pt")
-        return tuple(self._handles[file].get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+
+def unused_checkpoint_tensors(
+    family: ModelFamily, weights: WeightMap, names: set[str], where: str | Path
+) -> dict[str, list[str]]:
+    """Checkpoint tensors the model does not use, by the family's reason (MTP layers); anything else is refused."""
+    skipped: dict[str, list[str]] = {}
+    unexpected = []
+    for name in sorted(names - weights.hf_names()):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        reason = family.unused_tensor_reason(name)
+        if reason is None:
+            unexpected.append(name)
+        else:
+            skipped.setdefault(reason, []).append(name)
+    if unexpected:
+        raise WeightMismatchError(
+            f"checkpoint {where} has {len(unexpected)} tensors this {family.model_type} config does not use, "
+            f"e.g. {unexpected[:3]}: the checkpoint and config.json describe different architectures"
+        )
+    return skipped
 
 
 @torch.no_grad()
 def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: ModelFamily, hf: HFConfig) -> None:
-    """Fill this rank's shards of `chunks` from an HF checkpoint directory (each rank reads only its tensors)."""
+    """Fill this rank's shards of `chunks` from an HF checkpoint directory (each rank reads only its tensors).
+
+    Tensors the family marks unused (MTP layers) are skipped and named on stderr by rank 0.
+    """
     model_dir = Path(model_dir)
-    dims = family.dims(hf)
-    rules = rules_by_name(family, hf)
+    weights = family.weight_map(hf)
     index = SafetensorsIndex(model_dir)
-    expected = {name for rule in family.weight_rules(hf) for name in rule.hf}
-    unexpected = sorted(n for n in index.names() - expected if not n.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise WeightMismatchError(
-            f"checkpoint {model_dir} has {len(unexpected)} tensors this {dims.model_type} config does not use, "
-            f"e.g. {unexpected[:3]}: the checkpoint and config.json describe different architectures"
-        )
+    skipped = unused_checkpoint_tensors(family, weights, index.names(), model_dir)
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        for reason, names in skipped.items():
+            print(f"[megatron-rl] skipped {len(names)} checkpoint tensors ({reason}): {names[:4]}", file=sys.stderr)
     tp_rank, tp_size, etp_rank, _ = _rank_info()
     from megatron.core import parallel_state as ps
 
     etp_size = ps.get_expert_tensor_parallel_world_size()
-    for item in local_params(chunks, dims.num_experts):
-        rule = rules.get(item.global_name)
+    for item in local_params(chunks, weights):
+        rule = weights.rule(item.global_name)
         if rule is None:
             raise WeightMismatchError(f"no HF weight rule for Megatron parameter {item.global_name!r}")
-        full = rule.to_megatron([index.get(n) for n in rule.hf])
-        if rule.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            full = _pad_rows(full, item.param.shape[0] * (tp_size if _tp_sharded(item.param) else 1))
+        rows = item.param.shape[0] * (tp_size if _tp_sharded(item.param) else 1)
+        full = weights.build(rule, index.get, rows)
         rank, size = (etp_rank, etp_size) if item.is_expert else (tp_rank, tp_size)
         shard = _shard(full, item.param, rule, rank, size)
         if shard.shape != item.param.shape:
@@ -259,18 +257,19 @@ def export_hf_weights(
     tensor (P3's weight sync and P7's converter then decide which rank writes or sends it).
     """
     dims = family.dims(hf)
-    rules = rules_by_name(family, hf)
-    mine = {item.global_name: item for item in local_params(chunks, dims.num_experts)}
+    weights = family.weight_map(hf)
+    mine = {item.global_name: item for item in local_params(chunks, weights)}
     if dims.tie_word_embeddings:
         mine.pop("output_layer.weight", None)
-    ordered = [rule.megatron for rule in family.weight_rules(hf)]
-    owners = _owners(ordered, mine)
+    ordered = list(weights.rules())
+    owners = _owners([rule.megatron for rule in ordered], mine)
     rank = dist.get_rank() if dist.is_initialized() else 0
     distributed = dist.is_initialized() and dist.get_world_size() > 1
+    builder = weights.hf_tensor_builder(dims.vocab_size)
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name in ordered:
-        rule = rules[name]
+    for rule in ordered:
+        name = rule.megatron
         full = _gather_full(mine[name], rule) if name in mine else None  # collective over its TP group
         owner, shape, param_dtype = owners[name]
         if distributed and rank != owner:
@@ -279,15 +278,14 @@ def export_hf_weights(
             raise RuntimeError(f"rank {rank} neither holds nor receives {name!r}")
         if distributed:
             dist.broadcast(full.contiguous() if rank == owner else full, src=owner)
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            full = full[: dims.vocab_size]
-        for hf_name, tensor in zip(rule.hf, rule.to_hf(full), strict=True):
+        for hf_name, tensor in builder.add(rule, full):
             tensor = tensor.to(dtype) if dtype is not None else tensor
             bucket.append((hf_name, tensor.contiguous()))
             size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
             yield bucket
             bucket, size = [], 0
+    builder.check_finished()
     if bucket:
         yield bucket
 

@@ -68,7 +68,14 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
         kwargs.update(recompute_granularity=options.recompute)
         if options.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
-    config = TransformerConfig(**kwargs)
+    if family.config_class == "mla":
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config = MLATransformerConfig(**kwargs)
+    else:
+        config = TransformerConfig(**kwargs)
+    for name, value in (family.config_attributes(hf) if family.config_attributes else {}).items():
+        setattr(config, name, value)  # read by GPTModel, not declared by the config class (YaRN's yarn_*)
     refuse_unsafe_replay_options(config)
     return config
 
@@ -95,7 +102,12 @@ def build_model(
     vpp = layout.vpp or 1
     for stage in range(vpp):
         vp_stage = stage if layout.vpp else None
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
+        if family.layer_spec is not None:
+            spec = family.layer_spec(config, te, vp_stage)
+        else:
+            spec = get_gpt_decoder_block_spec(
+                config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
+            )
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPTModel(
                 config=config,

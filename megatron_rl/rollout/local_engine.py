@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.models.architecture import model_dims, route_recorder
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.hf_weight_loading import HFWeightLoader
@@ -86,9 +86,8 @@ class LocalEngine:
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.eos_token_ids = _eos_ids(self.model) if stop_on_eos else frozenset()
         self._loader = HFWeightLoader(self.model)
-        self._routers = [m for n, m in self.model.named_modules() if n.endswith(".gate") and hasattr(m, "top_k")]
         self._route_sink: list[torch.Tensor] | None = None
-        self._hooks = [r.register_forward_hook(self._record_route) for r in self._routers]
+        self._hooks = route_recorder(config.to_dict())(self.model, self._record_route)
         self._version = weight_version
         self._lock = threading.Lock()  # forward steps and weight updates
         self._running = threading.Event()
@@ -116,8 +115,8 @@ class LocalEngine:
             raise ValueError(f"n must be >= 1, got {n}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if return_routed_experts and not self._routers:
-            raise ValueError(f"{type(self.model).__name__} has no MoE router (`*.gate` with `top_k`) to record")
+        if return_routed_experts and not self._hooks:
+            raise ValueError(f"{type(self.model).__name__} has no MoE router whose top-k choices can be recorded")
         epoch = self._abort_epoch
         rows = [
             _Row(list(prompt), _sample_generator(params.seed, i * n + j))
@@ -306,9 +305,10 @@ class LocalEngine:
             routes = torch.stack(sink, dim=1).view(batch, seq, len(sink), -1).cpu()
         return out.logits[:, -1].cpu(), routes
 
-    def _record_route(self, module, inputs, output) -> None:
+    def _record_route(self, indices: torch.Tensor) -> None:
+        """One MoE layer's top-k expert ids `[tokens, top_k]`, from the family's route recorder."""
         if self._route_sink is not None:
-            self._route_sink.append(output[2].detach())  # (router_logits, scores, indices)
+            self._route_sink.append(indices)
 
     def _to_sample(self, row: _Row, versions: list[str], group: int, want_routes: bool) -> Sample:
         if row.finish is None:

@@ -87,17 +87,14 @@ def _by_checkpoint_name(named: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _megatron_grads_as_hf(actor) -> dict[str, torch.Tensor]:
-    """The actor's accumulated gradients, renamed and reshaped to HF tensors by the family's weight rules."""
+    """The actor's accumulated gradients, renamed and reshaped to HF tensors by the family's weight map."""
     from megatron_rl.megatron_backend.hf_weights import local_params
 
-    rules = {rule.megatron: rule for rule in actor.family.weight_rules(actor.hf_config)}
+    weights = actor.family.weight_map(actor.hf_config)
+    builder = weights.hf_tensor_builder(actor.dims.vocab_size)  # cuts Megatron's vocabulary padding
     out = {}
-    for item in local_params(actor.modules, actor.dims.num_experts):
-        grad = item.param.main_grad.detach()
-        if item.global_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            grad = grad[: actor.dims.vocab_size]  # Megatron pads the vocabulary
-        rule = rules[item.global_name]
-        out.update(zip(rule.hf, rule.to_hf(grad), strict=True))
+    for item in local_params(actor.modules, weights):
+        out.update(builder.add(weights.rule(item.global_name), item.param.main_grad.detach()))
     return out
 
 

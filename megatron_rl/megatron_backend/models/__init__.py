@@ -5,8 +5,8 @@ from megatron_rl.megatron_backend.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
-    WeightRule,
     get_family,
+    supported_families,
     supported_model_types,
 )
 
@@ -14,7 +14,7 @@ __all__ = [
     "ModelDims",
     "ModelFamily",
     "UnsupportedModelError",
-    "WeightRule",
     "get_family",
+    "supported_families",
     "supported_model_types",
 ]

@@ -11,7 +11,13 @@ from pathlib import Path
 
 from megatron_rl.megatron_backend.hf_weights import WeightMismatchError
 from megatron_rl.megatron_backend.models import get_family
-from megatron_rl.megatron_backend.models.family import HFConfig, ModelDims, UnsupportedModelError
+from megatron_rl.megatron_backend.models.family import (
+    HFConfig,
+    ModelDims,
+    RouteRecorder,
+    UnsupportedModelError,
+    record_gate_routes,
+)
 
 # RoPE has no learned positions: a checkpoint's weights fit any context length.
 _NOT_ARCHITECTURE = frozenset({"max_position_embeddings"})
@@ -33,6 +39,15 @@ def is_moe(hf_config: HFConfig) -> bool:
     except UnsupportedModelError:
         keys = ("num_experts", "num_local_experts", "n_routed_experts")
         return any(int(hf_config.get(k) or 0) > 1 for k in keys)
+
+
+def route_recorder(hf_config: HFConfig) -> RouteRecorder:
+    """How to record the experts an HF model of this config picks (the local engine's routes); a model no family
+    describes gets the Qwen-style `*.gate` recorder."""
+    try:
+        return get_family(hf_config).record_routes
+    except UnsupportedModelError:
+        return record_gate_routes
 
 
 def check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path) -> None:

@@ -1,39 +1,28 @@
 """What a model family provides: HF config -> Megatron config, layer spec, and HF <-> Megatron weight names.
 
-A family is one module under `megatron_rl/megatron_backend/models/` that registers a `ModelFamily`.
-Weight rules are expressed on *global, unsharded* Megatron names (global layer and expert indices);
-sharding for tensor/expert/pipeline parallelism is applied generically in `hf_weights.py`.
+A family is one module under `megatron_rl/megatron_backend/models/` that registers a `ModelFamily`: a small
+declarative spec (config translation, layer-spec hook, wildcard weight mappings from `mapping.py`). Sharding for
+tensor/expert/pipeline parallelism is applied generically in `hf_weights.py`.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from megatron_rl.megatron_backend.models.mapping import Mapping, WeightMap
 
 HFConfig = dict[str, Any]
 
 
 class UnsupportedModelError(ValueError):
     """The HF config or checkpoint describes a model this project cannot build."""
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """One Megatron parameter and the HF tensors it is made of.
-
-    `megatron` and `hf` may contain `{layer}` and `{expert}` placeholders (global indices).
-    `to_megatron(list of HF tensors) -> Megatron tensor`; `to_hf(Megatron tensor) -> list of HF tensors`.
-    """
-
-    megatron: str
-    hf: tuple[str, ...]
-    to_megatron: Callable[[list[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
-    to_hf: Callable[[torch.Tensor], list[torch.Tensor]] = lambda t: [t]
-    # Megatron shards a gated-linear-unit fc1 as [gate_r; up_r] per rank: gather/scatter by halves.
-    glu: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,24 +54,102 @@ class ModelDims:
     shared_expert_ffn_hidden_size: int = field(default=0, metadata={"hf_keys": ("shared_expert_intermediate_size",)})
     qk_layernorm: bool = False  # RMSNorm on each query and key head
     qkv_bias: bool = field(default=False, metadata={"hf_keys": ("qkv_bias", "attention_bias")})
+    # Multi-Latent Attention (DeepSeek-V3): 0 = ordinary attention. The KV cache holds kv_lora_rank +
+    # qk_rope_head_dim values per token and layer instead of 2 * num_query_groups * head_dim.
+    kv_lora_rank: int = field(default=0, metadata={"hf_keys": ("kv_lora_rank",)})
+    q_lora_rank: int = field(default=0, metadata={"hf_keys": ("q_lora_rank",)})
+    qk_rope_head_dim: int = field(default=0, metadata={"hf_keys": ("qk_rope_head_dim",)})
+    v_head_dim: int = field(default=0, metadata={"hf_keys": ("v_head_dim",)})
 
     @property
     def moe_layers(self) -> list[int]:
         return [i for i, is_moe in enumerate(self.moe_layer_pattern) if is_moe]
 
 
+# Keys of config.json that do not change the forward pass: metadata, generation and initialisation settings,
+# and training-time regularisers the trainer never applies (dropout, router jitter, HF's aux loss).
+METADATA_KEYS = frozenset(
+    {
+        "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache", "return_dict",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        "initializer_range", "output_attentions", "output_hidden_states", "output_router_logits",
+        "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "hidden_dropout", "id2label",
+        "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+        "tokenizer_class", "auto_map", "pretraining_tp", "tie_encoder_decoder", "add_cross_attention",
+        "cross_attention_hidden_size", "pruned_heads", "finetuning_task", "prefix", "task_specific_params",
+        "torchscript", "use_bfloat16", "tf_legacy_loss", "num_labels",
+    }
+)  # fmt: skip
+# Every family reads these (`ModelDims`' common fields and RoPE).
+COMMON_KEYS = frozenset(
+    {
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps", "hidden_act", "intermediate_size",
+        "num_experts_per_tok", "rope_theta", "rope_scaling", "rope_parameters",
+    }
+)  # fmt: skip
+
+# Records the top-k expert ids an HF model picks, by hooking its modules: `(model, sink) -> handles`, where
+# `sink(indices)` takes `[tokens, top_k]` per MoE layer in layer order (the local engine's R3 routes).
+RouteRecorder = Callable[[Any, Callable[[torch.Tensor], None]], list[Any]]
+
+
+def record_gate_routes(model: Any, sink: Callable[[torch.Tensor], None]) -> list[Any]:
+    """Qwen-MoE / Mixtral style: every `*.gate` router module returns `(logits, scores, top-k indices)`."""
+    routers = [m for n, m in model.named_modules() if n.endswith(".gate") and hasattr(m, "top_k")]
+    return [r.register_forward_hook(lambda _m, _i, out: sink(out[2].detach())) for r in routers]
+
+
 @dataclass(frozen=True)
 class ModelFamily:
-    """Registered per HF `model_type`."""
+    """A family: its HF `model_type`, how its HF config becomes a Megatron config, and its weight mappings.
+
+    `config_keys`: config.json keys the family reads or checks besides `COMMON_KEYS`; any key outside these and
+    `METADATA_KEYS` is refused by name (it may change the math). `config_class`: Megatron's
+    `TransformerConfig` or `MLATransformerConfig`; `config_attributes`: attributes set on the built config that
+    its class does not declare (YaRN's `yarn_*` for GPTModel). `layer_spec(config, use_te, vp_stage)`: the decoder
+    block spec, Megatron's GPT spec when None. `unused_hf_tensors`: `(regex, why)` of tensors checkpoints carry
+    that the model does not use (MTP layers): reported as skipped by name, kept by conversion round trips.
+    """
 
     model_type: str
+    hf_architecture: str
     dims: Callable[[HFConfig], ModelDims]
     transformer_config_kwargs: Callable[[HFConfig], dict[str, Any]]
     gpt_model_kwargs: Callable[[HFConfig], dict[str, Any]]
-    weight_rules: Callable[[HFConfig], list[WeightRule]]
-    hf_architecture: str
-    notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    mappings: Callable[[HFConfig], list[Mapping]]
+    config_keys: frozenset[str] = frozenset()
+    config_class: Literal["transformer", "mla"] = "transformer"
+    config_attributes: Callable[[HFConfig], dict[str, Any]] | None = None
+    layer_spec: Callable[[Any, bool, int | None], Any] | None = None
+    unused_hf_tensors: tuple[tuple[str, str], ...] = ()
+    record_routes: RouteRecorder = record_gate_routes
+    supports: str = ""  # one line for `megatron-rl models`
+
+    def check_keys(self, hf: HFConfig) -> None:
+        unknown = sorted(
+            k for k in hf if not k.startswith("_") and k not in METADATA_KEYS | COMMON_KEYS | self.config_keys
+        )
+        if unknown:
+            raise UnsupportedModelError(
+                f"config.json (model_type={self.model_type!r}) has fields this project does not translate: {unknown}; "
+                "each may change the model's math, so the model is refused rather than built differently. Remove "
+                "them if they are not part of the architecture, or open an issue naming the field"
+            )
+
+    def weight_map(self, hf: HFConfig) -> WeightMap:
+        """The model's weight map (built once per config: the mappings are few, rules resolve lazily)."""
+        return _weight_map(self, json.dumps(hf, sort_keys=True, default=str))
+
+    def unused_tensor_reason(self, name: str) -> str | None:
+        return next((why for pattern, why in self.unused_hf_tensors if re.fullmatch(pattern, name)), None)
+
+
+@functools.lru_cache(maxsize=16)
+def _weight_map(family: ModelFamily, hf_json: str) -> WeightMap:
+    hf = json.loads(hf_json)
+    dims = family.dims(hf)
+    return WeightMap(family.mappings(hf), dims.moe_layer_pattern, dims.num_experts, dims.tie_word_embeddings)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -96,14 +163,20 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 
 def get_family(hf_config: HFConfig) -> ModelFamily:
-    """The family for an HF config dict, or a clear error listing the supported `model_type`s."""
+    """The family for an HF config dict (its fields checked), or a clear error listing the supported types."""
     model_type = hf_config.get("model_type")
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(
             f"unsupported architecture: config.json has model_type={model_type!r} "
             f"(architectures={hf_config.get('architectures')}); supported model types: {sorted(_FAMILIES)}"
         )
-    return _FAMILIES[model_type]
+    family = _FAMILIES[model_type]
+    family.check_keys(hf_config)
+    return family
+
+
+def supported_families() -> list[ModelFamily]:
+    return [_FAMILIES[k] for k in sorted(_FAMILIES)]
 
 
 def supported_model_types() -> list[str]:
@@ -132,23 +205,3 @@ def rope_theta(hf_config: HFConfig) -> float:
     if theta is None:
         raise UnsupportedModelError("config.json has no rope_theta (neither top-level nor in rope_parameters)")
     return float(theta)
-
-
-def split_qkv_to_hf(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> list[torch.Tensor]:
-    """Megatron's grouped [g: q_heads_of_group, k, v] layout -> HF q, k, v."""
-    heads_per_group = num_heads // num_groups
-    hidden = qkv.shape[-1]
-    grouped = qkv.view(num_groups, (heads_per_group + 2) * head_dim, hidden)
-    q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
-    return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
-
-
-def merge_qkv_from_hf(tensors: list[torch.Tensor], num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
-    """HF q, k, v -> Megatron's grouped layout (each query group followed by its key and value head)."""
-    q, k, v = tensors
-    heads_per_group = num_heads // num_groups
-    hidden = q.shape[-1]
-    q = q.view(num_groups, heads_per_group * head_dim, hidden)
-    k = k.view(num_groups, head_dim, hidden)
-    v = v.view(num_groups, head_dim, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)

@@ -14,11 +14,11 @@ from megatron_rl.megatron_backend.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
-    WeightRule,
     register_family,
     require_keys,
     rope_theta,
 )
+from megatron_rl.megatron_backend.models.mapping import Mapping
 
 REQUIRED_KEYS = (
     "vocab_size",
@@ -72,8 +72,8 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
     return moe_decoder.gpt_model_kwargs(hf, dims(hf), rope_theta(hf))
 
 
-def weight_rules(hf: HFConfig) -> list[WeightRule]:
-    return moe_decoder.decoder_weight_rules(hf, dims(hf), NAMES)
+def mappings(hf: HFConfig) -> list[Mapping]:
+    return moe_decoder.decoder_mappings(dims(hf), NAMES)
 
 
 FAMILY = register_family(
@@ -82,7 +82,9 @@ FAMILY = register_family(
         dims=dims,
         transformer_config_kwargs=transformer_config_kwargs,
         gpt_model_kwargs=gpt_model_kwargs,
-        weight_rules=weight_rules,
+        mappings=mappings,
+        config_keys=frozenset({"num_local_experts", "sliding_window"}),
+        supports="every layer MoE, softmax top-k router renormalised",
         hf_architecture="MixtralForCausalLM",
     )
 )

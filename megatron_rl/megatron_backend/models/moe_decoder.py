@@ -1,4 +1,4 @@
-"""HF <-> Megatron weight rules shared by the pre-norm decoder MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral).
+"""Weight mappings and Megatron config shared by the pre-norm decoder MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 The families differ only in HF module names (`DecoderNames`) and a few options their `ModelDims` carry
 (QK-norm, QKV bias, shared expert); the Megatron side is always GPTModel with the local or TE layer spec.
@@ -7,18 +7,9 @@ The families differ only in HF module names (`DecoderNames`) and a few options t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
-import torch
-
-from megatron_rl.megatron_backend.models.family import (
-    HFConfig,
-    ModelDims,
-    WeightRule,
-    merge_qkv_from_hf,
-    split_qkv_to_hf,
-)
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelDims, UnsupportedModelError
+from megatron_rl.megatron_backend.models.mapping import GatedMLPMapping, Mapping, QKVMapping
 
 
 @dataclass(frozen=True)
@@ -32,86 +23,65 @@ class DecoderNames:
     expert_down: str = "down_proj"  # Mixtral: w2
 
 
-def cat0(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(tensors, dim=0)
+def _qkv(prefix: str, kind: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv")
 
 
-def split_half(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return list(tensor.chunk(2, dim=0))
-
-
-def merge_qkv_bias(tensors: list[torch.Tensor], num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
-    return merge_qkv_from_hf([t.unsqueeze(-1) for t in tensors], num_heads, num_groups, head_dim).squeeze(-1)
-
-
-def split_qkv_bias(tensor: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> list[torch.Tensor]:
-    return [t.squeeze(-1) for t in split_qkv_to_hf(tensor.unsqueeze(-1), num_heads, num_groups, head_dim)]
-
-
-def _glu(megatron: str, gate: str, up: str) -> WeightRule:
-    return WeightRule(megatron, (gate, up), to_megatron=cat0, to_hf=split_half, glu=True)
-
-
-def decoder_weight_rules(hf: HFConfig, dims: ModelDims, names: DecoderNames) -> list[WeightRule]:
-    """Every Megatron parameter of the model and the HF tensors it is built from, in a fixed order."""
-    qkv: dict[str, Any] = dict(
-        num_heads=dims.num_attention_heads, num_groups=dims.num_query_groups, head_dim=dims.head_dim
+def _qkv_mapping(dims: ModelDims, megatron: str, hf: tuple[str, ...]) -> QKVMapping:
+    return QKVMapping(
+        megatron, hf, heads=dims.num_attention_heads, groups=dims.num_query_groups, head_dim=dims.head_dim
     )
-    rules = [
-        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+
+
+def decoder_mappings(dims: ModelDims, names: DecoderNames) -> list[Mapping]:
+    """The weight mappings of a pre-norm GQA decoder with SwiGLU experts (and dense layers where the pattern says)."""
+    m, h = "decoder.layers.{layer}.", "model.layers.{layer}."
+    mappings = [
+        Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab_padded=True),
+        Mapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        Mapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",)),
+        _qkv_mapping(dims, m + "self_attention.linear_qkv.weight", _qkv(h, "weight")),
+        Mapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",)),
+        Mapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
+        GatedMLPMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "dense"),
+        Mapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "dense"),
     ]
     if not dims.tie_word_embeddings:
-        rules.append(WeightRule("output_layer.weight", ("lm_head.weight",)))
-    for layer in range(dims.num_layers):
-        m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        rules += [
-            WeightRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",)),
-            WeightRule(
-                m + "self_attention.linear_qkv.weight",
-                tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                to_megatron=partial(merge_qkv_from_hf, **qkv),
-                to_hf=partial(split_qkv_to_hf, **qkv),
-            ),
-            WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",)),
-            WeightRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
+        mappings.insert(2, Mapping("output_layer.weight", ("lm_head.weight",), vocab_padded=True))
+    if dims.qkv_bias:
+        mappings.append(_qkv_mapping(dims, m + "self_attention.linear_qkv.bias", _qkv(h, "bias")))
+    if dims.qk_layernorm:
+        mappings += [
+            Mapping(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",)),
+            Mapping(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",)),
         ]
-        if dims.qkv_bias:
-            rules.append(
-                WeightRule(
-                    m + "self_attention.linear_qkv.bias",
-                    tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"),
-                    to_megatron=partial(merge_qkv_bias, **qkv),
-                    to_hf=partial(split_qkv_bias, **qkv),
-                )
-            )
-        if dims.qk_layernorm:
-            rules += [
-                WeightRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",)),
-                WeightRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",)),
-            ]
-        if not dims.moe_layer_pattern[layer]:
-            rules += [
-                _glu(m + "mlp.linear_fc1.weight", h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                WeightRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",)),
-            ]
-            continue
-        block = h + names.moe_block + "."
-        rules.append(WeightRule(m + "mlp.router.weight", (block + names.router + ".weight",)))
-        for e in range(dims.num_experts):
-            me, he = m + f"mlp.experts.local_experts.{e}.", block + f"experts.{e}."
-            rules += [
-                _glu(me + "linear_fc1.weight", he + names.expert_gate + ".weight", he + names.expert_up + ".weight"),
-                WeightRule(me + "linear_fc2.weight", (he + names.expert_down + ".weight",)),
-            ]
-        if dims.shared_expert_ffn_hidden_size:  # Qwen2-MoE: mlp.shared_expert.* gated by mlp.shared_expert_gate
-            ms, hs = m + "mlp.shared_experts.", block + "shared_expert."
-            rules += [
-                _glu(ms + "linear_fc1.weight", hs + "gate_proj.weight", hs + "up_proj.weight"),
-                WeightRule(ms + "linear_fc2.weight", (hs + "down_proj.weight",)),
-                WeightRule(ms + "gate_weight", (block + "shared_expert_gate.weight",)),
-            ]
-    return rules
+    block = h + names.moe_block + "."
+    me, he = m + "mlp.experts.local_experts.{expert}.", block + "experts.{expert}."
+    mappings += [
+        Mapping(m + "mlp.router.weight", (block + names.router + ".weight",), "moe"),
+        GatedMLPMapping(
+            me + "linear_fc1.weight", (he + names.expert_gate + ".weight", he + names.expert_up + ".weight"), "moe"
+        ),
+        Mapping(me + "linear_fc2.weight", (he + names.expert_down + ".weight",), "moe"),
+    ]
+    if dims.shared_expert_ffn_hidden_size:  # Qwen2-MoE: mlp.shared_expert.* gated by mlp.shared_expert_gate
+        ms, hs = m + "mlp.shared_experts.", block + "shared_expert."
+        mappings += [
+            GatedMLPMapping(ms + "linear_fc1.weight", (hs + "gate_proj.weight", hs + "up_proj.weight"), "moe"),
+            Mapping(ms + "linear_fc2.weight", (hs + "down_proj.weight",), "moe"),
+            Mapping(ms + "gate_weight", (block + "shared_expert_gate.weight",), "moe"),
+        ]
+    return mappings
+
+
+def refuse_sliding_layers(hf: HFConfig) -> None:
+    """Qwen configs: sliding-window attention (`use_sliding_window`, `layer_types`) is not supported."""
+    sliding = [i for i, kind in enumerate(hf.get("layer_types") or []) if kind != "full_attention"]
+    if hf.get("use_sliding_window") or sliding:
+        raise UnsupportedModelError(
+            f"{hf.get('model_type')} with sliding-window attention (use_sliding_window, layer_types {sliding}) is "
+            "not supported: set use_sliding_window=false and every layer_types entry to full_attention"
+        )
 
 
 def moe_layer_pattern(hf: HFConfig) -> tuple[int, ...]:

@@ -14,11 +14,11 @@ from megatron_rl.megatron_backend.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
-    WeightRule,
     register_family,
     require_keys,
     rope_theta,
 )
+from megatron_rl.megatron_backend.models.mapping import Mapping
 
 REQUIRED_KEYS = (
     "vocab_size",
@@ -38,8 +38,7 @@ def dims(hf: HFConfig) -> ModelDims:
     require_keys(hf, *REQUIRED_KEYS)
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"qwen2_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("use_sliding_window"):
-        raise UnsupportedModelError("qwen2_moe with use_sliding_window=true is not supported")
+    moe_decoder.refuse_sliding_layers(hf)
     heads = int(hf["num_attention_heads"])
     return ModelDims(
         model_type="qwen2_moe",
@@ -70,8 +69,8 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
     return moe_decoder.gpt_model_kwargs(hf, dims(hf), rope_theta(hf))
 
 
-def weight_rules(hf: HFConfig) -> list[WeightRule]:
-    return moe_decoder.decoder_weight_rules(hf, dims(hf), moe_decoder.DecoderNames())
+def mappings(hf: HFConfig) -> list[Mapping]:
+    return moe_decoder.decoder_mappings(dims(hf), moe_decoder.DecoderNames())
 
 
 FAMILY = register_family(
@@ -80,7 +79,23 @@ FAMILY = register_family(
         dims=dims,
         transformer_config_kwargs=transformer_config_kwargs,
         gpt_model_kwargs=gpt_model_kwargs,
-        weight_rules=weight_rules,
+        mappings=mappings,
+        config_keys=frozenset(
+            {
+                "qkv_bias",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+                "moe_intermediate_size",
+                "norm_topk_prob",
+                "num_experts",
+                "shared_expert_intermediate_size",
+                "use_sliding_window",
+                "sliding_window",
+                "max_window_layers",
+                "layer_types",
+            }
+        ),
+        supports="QKV bias, sigmoid-gated shared expert, softmax router, dense layers, tied embeddings",
         hf_architecture="Qwen2MoeForCausalLM",
     )
 )

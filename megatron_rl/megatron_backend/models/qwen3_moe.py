@@ -20,15 +20,15 @@ from megatron_rl.megatron_backend.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
-    WeightRule,
     register_family,
     require_keys,
     rope_theta,
 )
+from megatron_rl.megatron_backend.models.mapping import Mapping
 from megatron_rl.megatron_backend.models.moe_decoder import (
     DecoderNames,
+    decoder_mappings,
     decoder_transformer_config,
-    decoder_weight_rules,
     moe_layer_pattern,
 )
 
@@ -56,8 +56,7 @@ def dims(hf: HFConfig) -> ModelDims:
     require_keys(hf, *REQUIRED_KEYS)
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"qwen3_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("use_sliding_window"):
-        raise UnsupportedModelError("qwen3_moe with use_sliding_window=true is not supported")
+    moe_decoder.refuse_sliding_layers(hf)
     heads = int(hf["num_attention_heads"])
     groups = int(hf["num_key_value_heads"])
     if heads % groups:
@@ -91,8 +90,8 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
     return moe_decoder.gpt_model_kwargs(hf, dims(hf), rope_theta(hf))
 
 
-def weight_rules(hf: HFConfig) -> list[WeightRule]:
-    return decoder_weight_rules(hf, dims(hf), DecoderNames())
+def mappings(hf: HFConfig) -> list[Mapping]:
+    return decoder_mappings(dims(hf), DecoderNames())
 
 
 FAMILY = register_family(
@@ -101,7 +100,23 @@ FAMILY = register_family(
         dims=dims,
         transformer_config_kwargs=transformer_config_kwargs,
         gpt_model_kwargs=gpt_model_kwargs,
-        weight_rules=weight_rules,
+        mappings=mappings,
+        config_keys=frozenset(
+            {
+                "attention_bias",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+                "moe_intermediate_size",
+                "norm_topk_prob",
+                "num_experts",
+                "num_local_experts",
+                "use_sliding_window",
+                "sliding_window",
+                "max_window_layers",
+                "layer_types",
+            }
+        ),
+        supports="QK-norm, softmax top-k router (norm_topk_prob), dense layers (mlp_only_layers), tied embeddings",
         hf_architecture="Qwen3MoeForCausalLM",
     )
 )
