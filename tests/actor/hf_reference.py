@@ -9,22 +9,15 @@ import torch
 
 def hf_score(model_dir: Path, samples: list[dict]) -> list[dict]:
     """Per sample: fp64 log-probs and entropy of the response tokens, and the per-layer top-k experts
-    of every position except the last (SGLang's layout), from `transformers`' own Qwen3-MoE."""
+    of every position except the last (SGLang's layout), from `transformers`' own model of the family (its routes
+    recorded as the local engine records them)."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_rl.megatron_backend.models.architecture import route_recorder
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    top_k = model.config.num_experts_per_tok
     caught: list[torch.Tensor] = []
-
-    def hook(_module, _inputs, output):
-        if isinstance(output, tuple):  # transformers >= 5: (router_logits, scores, indices)
-            caught.append(output[2])
-        else:  # older: the gate is a Linear returning logits
-            caught.append(torch.topk(torch.softmax(output.float(), -1), top_k, dim=-1).indices)
-
-    for name, module in model.named_modules():
-        if name.endswith(("mlp.gate", "block_sparse_moe.gate")):
-            module.register_forward_hook(hook)
+    route_recorder(model.config.to_dict())(model, caught.append)
     out = []
     for sample in samples:
         ids = torch.tensor(sample["input_ids"]).unsqueeze(0)
@@ -38,6 +31,24 @@ def hf_score(model_dir: Path, samples: list[dict]) -> list[dict]:
         routes = torch.stack(caught, dim=1)[:-1]  # [len - 1, moe_layers, k]
         out.append({"log_probs": logp, "entropy": entropy, "routed_experts": routes})
     return out
+
+
+def assert_matches_hf(got: list[dict], ref: list[dict], tol: float = 1e-4) -> float:
+    """Per-token log-probs and entropy within `tol` of transformers and the same top-k expert SETS everywhere;
+    returns the largest error."""
+    worst = 0.0
+    for g, r in zip(got, ref, strict=True):
+        lp = torch.tensor(g["log_probs"], dtype=torch.float64)
+        ent = torch.tensor(g["entropy"], dtype=torch.float64)
+        assert lp.shape == r["log_probs"].shape
+        worst = max(worst, (lp - r["log_probs"]).abs().max().item(), (ent - r["entropy"]).abs().max().item())
+        routes = torch.tensor(g["routed_experts"])
+        assert routes.shape == r["routed_experts"].shape, (routes.shape, r["routed_experts"].shape)
+        # The order inside a top-k row carries no meaning (megatron-core 0.19 does not sort it): compare sets.
+        same = torch.equal(routes.sort(-1).values, r["routed_experts"].sort(-1).values)
+        assert same, "top-k experts differ from transformers"
+    assert worst < tol, f"log-prob/entropy error {worst} vs transformers"
+    return worst
 
 
 def make_samples(vocab: int, n: int = 5, seed: int = 0) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.actor.hf_reference import hf_score, make_samples
+from tests.actor.hf_reference import assert_matches_hf, hf_score, make_samples
 from tests.megatron.dist_harness import run_torchrun
 
 CLI = [sys.executable, "-m", "megatron_rl.cli", "logprobs"]
@@ -38,26 +38,10 @@ def _score(model: Path, samples: list[dict], tmp: Path, *extra: str) -> list[dic
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _assert_matches_hf(got: list[dict], ref: list[dict], tol: float = 1e-4) -> float:
-    worst = 0.0
-    for g, r in zip(got, ref, strict=True):
-        lp = torch.tensor(g["log_probs"], dtype=torch.float64)
-        ent = torch.tensor(g["entropy"], dtype=torch.float64)
-        assert lp.shape == r["log_probs"].shape
-        worst = max(worst, (lp - r["log_probs"]).abs().max().item(), (ent - r["entropy"]).abs().max().item())
-        routes = torch.tensor(g["routed_experts"])
-        assert routes.shape == r["routed_experts"].shape, (routes.shape, r["routed_experts"].shape)
-        # The order inside a top-k row carries no meaning (megatron-core 0.19 does not sort it): compare sets.
-        same = torch.equal(routes.sort(-1).values, r["routed_experts"].sort(-1).values)
-        assert same, "top-k experts differ from transformers"
-    assert worst < tol, f"log-prob/entropy error {worst} vs transformers"
-    return worst
-
-
 def test_logprobs_match_transformers(tiny_moe_dir: Path, tmp_path: Path) -> None:
     samples = make_samples(vocab=128)
     got = _score(tiny_moe_dir, samples, tmp_path)
-    _assert_matches_hf(got, hf_score(tiny_moe_dir, samples))
+    assert_matches_hf(got, hf_score(tiny_moe_dir, samples))
 
 
 @pytest.mark.parametrize(
@@ -67,7 +51,7 @@ def test_logprobs_match_transformers_variants(variant: str, tiny_moe_variants: d
     model = tiny_moe_variants[variant]
     samples = make_samples(vocab=128, n=3, seed=1)
     got = _score(model, samples, tmp_path)
-    _assert_matches_hf(got, hf_score(model, samples))
+    assert_matches_hf(got, hf_score(model, samples))
 
 
 # qwen2_moe_tied covers Qwen2-MoE (shared expert, tied embeddings); Mixtral and untied Qwen2-MoE at TP2xEP2 below
@@ -82,7 +66,7 @@ def test_logprobs_match_transformers_variants(variant: str, tiny_moe_variants: d
 def test_other_families_match_transformers(family: str, other_families: dict, tmp_path: Path) -> None:
     model = other_families[family]
     samples = make_samples(vocab=128, n=3, seed=4)
-    _assert_matches_hf(_score(model, samples, tmp_path), hf_score(model, samples))
+    assert_matches_hf(_score(model, samples, tmp_path), hf_score(model, samples))
 
 
 @pytest.mark.torchrun
@@ -114,7 +98,7 @@ def test_other_families_tp2_ep2(family: str, other_families: dict, tmp_path: Pat
             "1",
         ],
     )
-    _assert_matches_hf([json.loads(line) for line in out.read_text().splitlines()], ref)
+    assert_matches_hf([json.loads(line) for line in out.read_text().splitlines()], ref)
 
 
 @pytest.mark.torchrun
@@ -129,7 +113,7 @@ def test_logprobs_cli_under_torchrun_tp2_ep2(tiny_moe_dir: Path, tmp_path: Path)
             2,
             ["logprobs", "--hf-model", str(tiny_moe_dir), "--input", str(inp), "--output", str(out), *extra],
         )
-        _assert_matches_hf([json.loads(line) for line in out.read_text().splitlines()], ref)
+        assert_matches_hf([json.loads(line) for line in out.read_text().splitlines()], ref)
 
 
 def test_replay_routes_reproduces_recording_and_catches_misalignment(tiny_moe_dir: Path, tmp_path: Path) -> None:

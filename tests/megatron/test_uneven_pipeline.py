@@ -68,7 +68,8 @@ def test_logprobs_cli_at_uneven_stages_matches_transformers(three_layer_moe: Pat
     """`megatron-rl logprobs --pp 2 --pp-first-stage-layers 2 --pp-last-stage-layers 1`: transformers' log-probs,
     entropy (1e-4, fp32) and experts of both MoE layers, which sit on different stages."""
     from tests.actor.hf_reference import hf_score, make_samples
-    from tests.actor.test_logprobs_cli import _assert_matches_hf, _write
+    from tests.actor.hf_reference import assert_matches_hf
+    from tests.actor.test_logprobs_cli import _write
 
     samples = make_samples(vocab=128, n=4, seed=5)
     inp, out = _write(tmp_path / "in.jsonl", samples), tmp_path / "out.jsonl"
@@ -79,4 +80,4 @@ def test_logprobs_cli_at_uneven_stages_matches_transformers(three_layer_moe: Pat
         ["logprobs", "--hf-model", str(three_layer_moe), "--input", str(inp), "--output", str(out), *split],
     )
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    _assert_matches_hf(got, hf_score(three_layer_moe, samples))
+    assert_matches_hf(got, hf_score(three_layer_moe, samples))

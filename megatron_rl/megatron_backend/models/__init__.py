@@ -1,6 +1,12 @@
-"""Model families (one module each); importing this package registers all of them."""
+"""Model families (one module each); importing this package registers all of them.
 
-from megatron_rl.megatron_backend.models import mixtral, qwen2_moe, qwen3_moe  # noqa: F401  (register families)
+Every module of this package is imported here; a family module registers its `ModelFamily` when imported, so a
+new family is one new file. Modules must not import Megatron at module level (the rollout side imports this).
+"""
+
+import importlib
+import pkgutil
+
 from megatron_rl.megatron_backend.models.family import (
     ModelDims,
     ModelFamily,
@@ -18,3 +24,6 @@ __all__ = [
     "supported_families",
     "supported_model_types",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
