@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("megatron_rl.commands.launch", "plan a multi-node job: which node runs what, and whether it fits"),
     "convert": ("megatron_rl.commands.convert", "convert checkpoints: Hugging Face <-> Megatron distributed"),
     "doctor": ("megatron_rl.commands.doctor", "print what is installed and usable here"),
+    "models": ("megatron_rl.commands.models", "list the supported model families and what each supports"),
 }
 
 

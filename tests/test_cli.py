@@ -46,3 +46,15 @@ def test_train_help_config_lists_every_section() -> None:
 def test_unknown_subcommand_fails() -> None:
     proc = _run("nonsense")
     assert proc.returncode != 0 and "invalid choice" in proc.stderr
+
+
+def test_models_lists_every_registered_family() -> None:
+    from megatron_rl.megatron_backend.models import supported_families
+
+    proc = _run("models")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for family in supported_families():
+        row = next((line for line in lines if line.startswith(family.model_type + " ")), None)
+        assert row is not None, f"{family.model_type} missing from `megatron-rl models`"
+        assert family.hf_architecture in row and family.supports in row
