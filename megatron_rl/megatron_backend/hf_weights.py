@@ -21,16 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError
+from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, UnsupportedModelError, WeightMismatchError
 from megatron_rl.megatron_backend.models.mapping import WeightMap, WeightRule, canonical_name
 from megatron_rl.megatron_backend.safetensors_files import safetensors_weight_map
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-class WeightMismatchError(ValueError):
-    """A checkpoint tensor does not fit the model built from the config."""
 
 
 def read_hf_config(model_dir: str | Path, *, role: str = "the model directory") -> HFConfig:

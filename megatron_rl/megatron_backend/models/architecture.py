@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from megatron_rl.megatron_backend.hf_weights import WeightMismatchError
 from megatron_rl.megatron_backend.models import get_family
 from megatron_rl.megatron_backend.models.family import (
     HFConfig,
     ModelDims,
     RouteRecorder,
     UnsupportedModelError,
+    WeightMismatchError,
     record_gate_routes,
 )
 

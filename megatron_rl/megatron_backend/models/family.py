@@ -25,6 +25,10 @@ class UnsupportedModelError(ValueError):
     """The HF config or checkpoint describes a model this project cannot build."""
 
 
+class WeightMismatchError(ValueError):
+    """A checkpoint tensor does not fit the model built from the config."""
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """Architecture facts every other part of the trainer needs, derived once from the HF config by the family.
