@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.actor.hf_reference import assert_matches_hf, hf_score, make_samples
 from tests.megatron.dist_harness import run_torchrun

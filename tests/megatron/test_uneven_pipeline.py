@@ -67,8 +67,7 @@ def test_uneven_stages_match_single_process(
 def test_logprobs_cli_at_uneven_stages_matches_transformers(three_layer_moe: Path, tmp_path: Path) -> None:
     """`megatron-rl logprobs --pp 2 --pp-first-stage-layers 2 --pp-last-stage-layers 1`: transformers' log-probs,
     entropy (1e-4, fp32) and experts of both MoE layers, which sit on different stages."""
-    from tests.actor.hf_reference import hf_score, make_samples
-    from tests.actor.hf_reference import assert_matches_hf
+    from tests.actor.hf_reference import assert_matches_hf, hf_score, make_samples
     from tests.actor.test_logprobs_cli import _write
 
     samples = make_samples(vocab=128, n=4, seed=5)
