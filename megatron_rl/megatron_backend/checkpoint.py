@@ -221,10 +221,15 @@ class BackgroundSaves:
 
     def __init__(self) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         self._queue = AsyncCallsQueue(persistent=False)  # persistent workers would share, not snapshot, host tensors
         self._in_flight: tuple[Path, int] | None = None  # (root, step) of the save being written
         self.published: int | None = None  # the step of the newest checkpoint this object published
+        # One strategy for every save, caching the save plan: while the state's structure does not change (it does
+        # not within a run), later saves skip the gather of every rank's plan and the global metadata exchange.
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self.saves = 0
 
     def schedule(self, request: Any, root: Path, step: int) -> None:
         """Collective: start writing `request` (Megatron's AsyncRequest, publishing included) in the background."""
@@ -308,7 +313,7 @@ def save_checkpoint(
     if actor.optimizer is not None:
         _init_unstepped_adam_state(actor)
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
-    options = _background_save_options(dist_checkpointing.save) if background is not None else {}
+    options = _background_save_options(dist_checkpointing.save, background) if background is not None else {}
     request = dist_checkpointing.save(state, str(tmp / MEGATRON_DIR), **options)
     torch.save(_rng_state(), rng_file(tmp, rank))
     if rank == 0:
@@ -332,10 +337,16 @@ def save_checkpoint(
     return final
 
 
-def _background_save_options(save: Any) -> dict[str, Any]:
+def _background_save_options(save: Any, background: BackgroundSaves) -> dict[str, Any]:
     """`dist_checkpointing.save`'s options for a background save with Megatron's own writer, which `AsyncCallsQueue`
-    runs (0.19.x defaults to NVIDIA Resiliency Extension's, `async_strategy="nvrx"`, not a dependency of ours)."""
-    options: dict[str, Any] = {"async_sharded_save": True}
+    runs (0.19.x defaults to NVIDIA Resiliency Extension's, `async_strategy="nvrx"`, not a dependency of ours), and
+    the run's cached save plan; the state's sharding is validated on the run's first save only."""
+    options: dict[str, Any] = {
+        "async_sharded_save": True,
+        "sharded_strategy": background.strategy,
+        "validate_access_integrity": background.saves == 0,
+    }
+    background.saves += 1
     if "async_strategy" in inspect.signature(save).parameters:
         options["async_strategy"] = "mcore"
     return options
