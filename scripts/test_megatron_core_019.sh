@@ -14,4 +14,4 @@ fi
 "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import importlib.metadata as m; v = m.version('megatron-core'); assert v == '0.19.2', v; print('megatron-core', v)"
-"$VENV/bin/python" -m pytest -q tests/actor tests/megatron tests/conversion "$@"
+"$VENV/bin/python" -m pytest -q tests/actor tests/megatron tests/conversion tests/families "$@"
