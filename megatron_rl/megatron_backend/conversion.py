@@ -104,7 +104,7 @@ def hf_to_megatron(
     tmp = fresh_staging_dir(out_dir)
     weights = family.weight_map(hf)
     unused = sorted(
-        n for names in unused_checkpoint_tensors(family, weights, index.names(), hf_dir).values() for n in names
+        n for names in unused_checkpoint_tensors(family, hf, weights, index.names(), hf_dir).values() for n in names
     )
     with _single_process_megatron():
         model = _meta_model(hf, target)
@@ -112,6 +112,7 @@ def hf_to_megatron(
         params = {canonical_name(n): p for n, p in tensors if weights.rule(canonical_name(n)) is not None}
         source = _HFTensorSource(index, weights, params, hf)
         source.check_shapes()
+        source.fill_real_tensors()
         (tmp / MEGATRON_DIR).mkdir()
         try:
             dist_checkpointing.save(
@@ -200,6 +201,14 @@ class _HFTensorSource:
                     "these weights"
                 )
 
+    @torch.no_grad()
+    def fill_real_tensors(self) -> None:
+        """Fill the tensors Megatron makes on an explicit device even under the meta context (the router's
+        `expert_bias` buffer, `device=torch.cuda.current_device()` in router.py): the writer saves them as they are."""
+        for name, param in self.params.items():
+            if not param.is_meta:
+                param.copy_(self._build(name))
+
     def materialize(self, meta: torch.Tensor) -> torch.Tensor:
         """The real data behind `meta`, a view (chunk, prepended axis) of one meta parameter."""
         name = self._by_storage.get(meta.untyped_storage()._cdata)
@@ -210,7 +219,8 @@ class _HFTensorSource:
             self._cached = (name, self._build(name))
         full = self._cached[1]
         # A view: the writer copies it out only when it is a part of the parameter (torch DCP's loader).
-        part = full.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+        # `meta`'s offset is relative to its parameter; `full` may itself be a view (one expert of a fused tensor).
+        part = full.as_strided(meta.size(), meta.stride(), full.storage_offset() + meta.storage_offset())
         self.tensors += 1
         self.bytes += part.nbytes
         self.largest = max(self.largest, full.nbytes)

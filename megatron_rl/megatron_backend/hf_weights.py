@@ -162,7 +162,7 @@ class SafetensorsIndex:
 
 
 def unused_checkpoint_tensors(
-    family: ModelFamily, weights: WeightMap, names: set[str], where: str | Path
+    family: ModelFamily, hf: HFConfig, weights: WeightMap, names: set[str], where: str | Path
 ) -> dict[str, list[str]]:
     """Checkpoint tensors the model does not use, by the family's reason (MTP layers); anything else is refused."""
     skipped: dict[str, list[str]] = {}
@@ -170,7 +170,7 @@ def unused_checkpoint_tensors(
     for name in sorted(names - weights.hf_names()):
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        reason = family.unused_tensor_reason(name)
+        reason = family.unused_tensor_reason(name, hf)
         if reason is None:
             unexpected.append(name)
         else:
@@ -192,7 +192,7 @@ def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: Mode
     model_dir = Path(model_dir)
     weights = family.weight_map(hf)
     index = SafetensorsIndex(model_dir)
-    skipped = unused_checkpoint_tensors(family, weights, index.names(), model_dir)
+    skipped = unused_checkpoint_tensors(family, hf, weights, index.names(), model_dir)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         for reason, names in skipped.items():
             print(f"[megatron-rl] skipped {len(names)} checkpoint tensors ({reason}): {names[:4]}", file=sys.stderr)

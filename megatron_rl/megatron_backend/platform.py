@@ -7,7 +7,7 @@ CI runs Megatron-Core on CPU with gloo. Megatron assumes CUDA in a few dozen pla
 * torch.cuda entry points: current_device -> cpu; synchronize, empty_cache, set_device,
   nvtx ranges -> no-ops; Stream / Event / stream() / current_stream -> no-op stand-ins;
   get/set_rng_state and manual_seed -> the CPU generator (manual_seed_all -> no-op);
-* Megatron functions: get_default_causal_mask (hard-coded device="cuda"); the
+* Megatron functions: get_default_causal_mask and get_sliding_window_causal_mask (hard-coded device="cuda"); the
   model-parallel RNG tracker's _get/_set_cuda_rng_state; the alltoall dispatcher's
   maybe_move_tensor_to_cpu (split sizes stay tensors on CPU); the local spec's
   WrappedTorchNorm under sequence parallelism; 0.16.x only: moe_utils.te_general_gemm;
@@ -563,6 +563,18 @@ def _patch_causal_mask() -> str:
     return "megatron.transformer.utils.get_default_causal_mask"
 
 
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    _record("get_sliding_window_causal_mask")
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
+def _patch_sliding_window_mask() -> str:
+    # The original builds the mask with device="cuda" (transformer/utils.py; sliding-window attention, GPT-OSS).
+    _replace_everywhere("megatron.core.transformer.utils", "get_sliding_window_causal_mask", _cpu_sliding_window_mask)
+    return "megatron.transformer.utils.get_sliding_window_causal_mask"
+
+
 def _patch_te_general_gemm() -> str | None:
     # 0.16.x: RouterGatingLinearFunction reads the module global `te_general_gemm`, which
     # only exists when Transformer Engine imports (NameError otherwise).
@@ -680,6 +692,7 @@ def bridge_cpu(enable: bool | None = None) -> PlatformInfo:
 
         bridges = _bridge_torch_cuda()
         bridges.append(_patch_causal_mask())
+        bridges.append(_patch_sliding_window_mask())
         te_gemm = _patch_te_general_gemm()
         if te_gemm is not None:
             bridges.append(te_gemm)

@@ -113,7 +113,8 @@ class ModelFamily:
     `TransformerConfig` or `MLATransformerConfig`; `config_attributes`: attributes set on the built config that
     its class does not declare (YaRN's `yarn_*` for GPTModel). `layer_spec(config, use_te, vp_stage)`: the decoder
     block spec, Megatron's GPT spec when None. `unused_hf_tensors`: `(regex, why)` of tensors checkpoints carry
-    that the model does not use (MTP layers): reported as skipped by name, kept by conversion round trips.
+    that the model does not use (MTP layers), or a function of the config giving them: reported as skipped by
+    name, kept by conversion round trips.
     """
 
     model_type: str
@@ -126,7 +127,7 @@ class ModelFamily:
     config_class: Literal["transformer", "mla"] = "transformer"
     config_attributes: Callable[[HFConfig], dict[str, Any]] | None = None
     layer_spec: Callable[[Any, bool, int | None], Any] | None = None
-    unused_hf_tensors: tuple[tuple[str, str], ...] = ()
+    unused_hf_tensors: Callable[[HFConfig], tuple[tuple[str, str], ...]] | tuple[tuple[str, str], ...] = ()
     record_routes: RouteRecorder = record_gate_routes
     supports: str = ""  # one line for `megatron-rl models`
 
@@ -145,8 +146,12 @@ class ModelFamily:
         """The model's weight map (built once per config: the mappings are few, rules resolve lazily)."""
         return _weight_map(self, json.dumps(hf, sort_keys=True, default=str))
 
-    def unused_tensor_reason(self, name: str) -> str | None:
-        return next((why for pattern, why in self.unused_hf_tensors if re.fullmatch(pattern, name)), None)
+    def unused_tensor_reason(self, name: str, hf: HFConfig) -> str | None:
+        """Why the model does not use checkpoint tensor `name` (None: it should). The patterns may depend on the
+        config (MTP layers are numbered from num_hidden_layers)."""
+        unused = self.unused_hf_tensors
+        patterns = unused(hf) if callable(unused) else unused
+        return next((why for pattern, why in patterns if re.fullmatch(pattern, name)), None)
 
 
 @functools.lru_cache(maxsize=16)
