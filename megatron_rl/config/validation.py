@@ -282,6 +282,8 @@ def _check_optimizer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None
             errors.append(f"optimizer.{name}={getattr(opt, name)} must be >= 0")
     if cfg.model.options.aux_loss_coeff < 0:
         errors.append(f"model.options.aux_loss_coeff={cfg.model.options.aux_loss_coeff} must be >= 0")
+    if cfg.model.options.expert_bias_update_rate < 0:
+        errors.append(f"model.options.expert_bias_update_rate={cfg.model.options.expert_bias_update_rate} must be >= 0")
     updates = cfg.trainer.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches_per_step
     if opt.lr_schedule != "constant" and opt.total_steps != updates:
         notes.append(

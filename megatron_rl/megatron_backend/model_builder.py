@@ -64,6 +64,13 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
         # Router fusion (TE) silently bypasses RouterReplay; we never enable it.
         moe_router_fusion=False,
     )
+    if kwargs.get("moe_router_enable_expert_bias"):
+        kwargs.update(moe_router_bias_update_rate=options.expert_bias_update_rate)
+    elif options.expert_bias_update_rate:
+        raise ValueError(
+            f"model.options.expert_bias_update_rate={options.expert_bias_update_rate}: this {family.model_type} "
+            "model's routers have no expert bias (only sigmoid routers with a score-correction bias do); set it to 0"
+        )
     if options.recompute != "none":
         kwargs.update(recompute_granularity=options.recompute)
         if options.recompute == "full":

@@ -29,6 +29,14 @@ class ModelOptions:
     )
     dispatcher: Literal["alltoall", "allgather"] = field(default="alltoall", metadata={"help": "MoE token dispatcher"})
     aux_loss_coeff: float = field(default=0.0, metadata={"help": "MoE load-balancing auxiliary loss coefficient"})
+    expert_bias_update_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "routers with a score-correction bias (DeepSeek-V3, GLM-4.5): how far each update moves the "
+            "bias toward balanced expert loads (Megatron's moe_router_bias_update_rate; DeepSeek-V3 pre-training "
+            "used 1e-3). 0 keeps the checkpoint's bias, so routing changes only through the trained router weights"
+        },
+    )
     logprob_impl: Literal["auto", "torch", "chunked", "triton"] = field(
         default="chunked",
         metadata={

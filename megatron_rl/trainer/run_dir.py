@@ -48,6 +48,10 @@ RESUMABLE_CHANGES = (
     "algo.replay_agreement_every",
 )
 
+# Keys added to the config after runs were started, with the default that computes what those runs computed: at
+# that value they do not count toward the run's identity, so such a run still resumes.
+ADDED_LATER = {"model.options.expert_bias_update_rate": 0.0}
+
 
 class RunDirError(ValueError):
     """`trainer.output_dir` cannot be used as asked; the message names the folder and the ways out."""
@@ -120,6 +124,7 @@ def comparable_config(cfg: RLConfig | dict[str, Any]) -> dict[str, Any]:
         key: value
         for key, value in flat.items()
         if not any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
+        and not (key in ADDED_LATER and value == ADDED_LATER[key])
         and "api_key" not in key
         and "secret" not in key
     }

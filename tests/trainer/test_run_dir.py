@@ -254,6 +254,12 @@ def test_run_identity_ignores_what_may_change_on_resume() -> None:
     other = load_config(EXAMPLE, ["algo.preset=grpo"])
     assert run_dir.config_hash(other) != run_dir.config_hash(base)
     assert "algo.loss" in run_dir.changed_keys(to_dict(base), to_dict(other))
+    # A run started before model.options.expert_bias_update_rate existed resumes; a non-default value is another run.
+    before_the_key = to_dict(base)
+    del before_the_key["model"]["options"]["expert_bias_update_rate"]
+    assert run_dir.config_hash(before_the_key) == run_dir.config_hash(base)
+    moving = load_config(EXAMPLE, ["model.options.expert_bias_update_rate=0.001"])
+    assert run_dir.changed_keys(to_dict(base), to_dict(moving)) == ["model.options.expert_bias_update_rate"]
 
 
 def _fake_checkpoint(root: Path, step: int, run_id: str | None, *, complete: bool = True) -> Path:
