@@ -128,6 +128,13 @@ def mappings(hf: HFConfig) -> list[Mapping]:
     return out
 
 
+def mtp_layers(hf: HFConfig) -> tuple[tuple[str, str], ...]:
+    """The multi-token-prediction layers' tensors (numbered from num_hidden_layers), which the model does not use."""
+    first, count = int(hf["num_hidden_layers"]), int(hf.get("num_nextn_predict_layers") or 0)
+    why = "multi-token prediction layer: not part of the causal LM transformers builds"
+    return tuple((rf"model\.layers\.{first + i}\..+", why) for i in range(count))
+
+
 FAMILY = register_family(
     ModelFamily(
         model_type="deepseek_v3",
@@ -156,7 +163,7 @@ FAMILY = register_family(
         ),  # fmt: skip
         config_class="mla",
         layer_spec=mla.mla_layer_spec,
-        unused_hf_tensors=(),
+        unused_hf_tensors=mtp_layers,
         supports="Multi-Latent Attention (with/without q_lora), YaRN, sigmoid router with score-correction bias and "
         "group-limited top-k, shared experts, dense first layers (also Kimi-K2, Moonlight)",
     )
