@@ -11,8 +11,9 @@ same, with two differences the translation refuses rather than approximates:
 - it always renormalises the gates when top-k > 1, so `norm_topk_prob=false` is not expressible;
 - its group score sums the top `topk // group_topk` scores of each group (`moe_utils.group_limited_topk`), HF's the
   top 2: equal only when `num_experts_per_tok // topk_group == 2` (DeepSeek-V3: 8 // 4).
-Megatron also moves `expert_bias` during training (`moe_router_bias_update_rate`, default 1e-3,
-`finalize_model_grads._update_router_expert_bias`): an RL update must not change routing by itself, so the rate is 0.
+Megatron also moves `expert_bias` during training (`moe_router_bias_update_rate`, its default 1e-3,
+`finalize_model_grads._update_router_expert_bias`): the model builder sets the rate from
+`model.options.expert_bias_update_rate` (default 0: an RL update must not change routing by itself).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def grouped_top_k(hf: HFConfig) -> tuple[int, int] | None:
 
 
 def sigmoid_router_kwargs(hf: HFConfig) -> dict[str, Any]:
-    """Megatron `TransformerConfig` router kwargs of a DeepSeek-V3-style sigmoid router (the bias frozen)."""
+    """Megatron `TransformerConfig` router kwargs of a DeepSeek-V3-style sigmoid router."""
     if not hf.get("norm_topk_prob", True) and int(hf["num_experts_per_tok"]) > 1:
         raise UnsupportedModelError(
             "norm_topk_prob=false with a sigmoid router: Megatron's sigmoid routing always renormalises the chosen "
@@ -59,7 +60,6 @@ def sigmoid_router_kwargs(hf: HFConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
         moe_router_pre_softmax=False,
     )
