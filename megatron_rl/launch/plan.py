@@ -77,6 +77,8 @@ class MemoryEstimate:
     sglang_weights: float  # per GPU of a rollout server
     sglang_budget: float
     resident_in_rollout: float = 0.0  # the trainer's memory while a colocated SGLang generates
+    sglang_kv_token_bytes: float = 0.0  # KV cache of one token, per GPU of a rollout server
+    sglang_kv_tokens: float = 0.0  # tokens the rest of a server's share caches
 
     def lines(self) -> list[str]:
         g = GiB
@@ -85,7 +87,8 @@ class MemoryEstimate:
             f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} = {self.total / g:.1f} GiB "
             f"of {self.budget / g:.1f} GiB available to training",
             f"  rollout server weights {self.sglang_weights / g:.1f} GiB per GPU of {self.sglang_budget / g:.1f} GiB "
-            "(rollout.sglang.mem_fraction_static; the rest of that share is KV cache)",
+            f"(rollout.sglang.mem_fraction_static); the rest is KV cache: {self.sglang_kv_token_bytes / 2**10:.1f} "
+            f"KiB per token per GPU, ~{self.sglang_kv_tokens / 1e3:.0f}k tokens per server",
         ]
 
 
@@ -240,10 +243,38 @@ def _coordinates(rank: int, layout, gpus_per_node: int) -> TrainerRank:
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
+def _attention_params(d: ModelDims) -> int:
+    """One layer's attention parameters and its two layer norms.
+
+    Multi-Latent Attention (`kv_lora_rank` > 0; transformers `DeepseekV3Attention`): the query latent
+    (h x q_lora_rank, its norm, q_lora_rank x heads x q_head) or one query projection (h x heads x q_head), the KV
+    latent with the shared rotary key (h x (kv_lora_rank + rope)), its norm, its expansion to each head's key
+    and value (kv_lora_rank x heads x (nope + v)) and the output (heads x v x h)."""
     h, hd, heads, groups = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_query_groups
+    if d.kv_lora_rank:
+        nope, v, rank = hd - d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        query = d.q_lora_rank * (h + 1 + heads * hd) if d.q_lora_rank else h * heads * hd
+        latent = h * (rank + d.qk_rope_head_dim) + rank + rank * heads * (nope + v)
+        return query + latent + heads * v * h + 2 * h
     attention = h * heads * hd * 2 + 2 * h * groups * hd + 2 * h  # q and output, k and v, the two layer norms
-    attention += (2 * hd if d.qk_layernorm else 0) + ((heads + 2 * groups) * hd if d.qkv_bias else 0)
+    return attention + (2 * hd if d.qk_layernorm else 0) + ((heads + 2 * groups) * hd if d.qkv_bias else 0)
+
+
+def kv_cache_token_bytes(d: ModelDims, server_tp: int, dtype_bytes: int = 2) -> float:
+    """Bytes of KV cache one token takes on each GPU of an SGLang server of `server_tp` GPUs.
+
+    GQA: every layer's keys and values of the query groups a GPU holds (SGLang replicates a group over the GPUs
+    when tp exceeds the group count). MLA: every layer's compressed latent and shared rotary key
+    (kv_lora_rank + qk_rope_head_dim values), whole on every GPU (SGLang's MLATokenToKVPool)."""
+    if d.kv_lora_rank:
+        return d.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * dtype_bytes
+    groups_per_gpu = max(d.num_query_groups // server_tp, 1)
+    return d.num_layers * 2 * groups_per_gpu * d.head_dim * dtype_bytes
+
+
+def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
+    h = d.hidden_size
+    attention = _attention_params(d)
     shared = d.shared_expert_ffn_hidden_size
     moe_dense = d.num_experts * h + (3 * h * shared + h if shared else 0)  # router, shared expert and its gate
     expert = d.num_experts * 3 * h * d.moe_ffn_hidden_size
@@ -283,9 +314,11 @@ def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: b
     server_gpus = cfg.rollout.sglang.tp_size
     sglang_weights = total_params * 2 / server_gpus
     sglang_budget = gpu * share
+    kv_token = kv_cache_token_bytes(d, server_gpus)
+    kv_tokens = max(sglang_budget - sglang_weights, 0.0) / kv_token
     resident = 0.0 if cfg.trainer.offload_actor else (weights + grads + optimizer) * 1.1
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
-                          sglang_budget, resident), params  # fmt: skip
+                          sglang_budget, resident, kv_token, kv_tokens), params  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- output
