@@ -49,7 +49,6 @@ def test_dims_and_megatron_options_of_glm45_air() -> None:
     assert (dims.head_dim, dims.qkv_bias, dims.qk_layernorm) == (128, True, False)
     config = family.transformer_config_kwargs(GLM45_AIR)
     assert config["moe_router_score_function"] == "sigmoid" and config["moe_router_enable_expert_bias"]
-    assert config["moe_router_bias_update_rate"] == 0.0  # the checkpoint's bias stays as it is during RL
     assert "moe_router_num_groups" not in config and "moe_router_group_topk" not in config  # one group
     assert config["moe_shared_expert_gate"] is False and config["moe_layer_freq"][:2] == [0, 1]
     assert family.gpt_model_kwargs(GLM45_AIR)["rotary_percent"] == 0.5

@@ -4,9 +4,9 @@ Architecture (transformers `modeling_glm4_moe.py`): pre-norm RMSNorm decoder, GQ
 (`attention_bias`) and optional per-head RMSNorm on queries and keys (`use_qk_norm`, applied before RoPE), partial
 rotary embeddings, the first `first_k_dense_replace` layers dense SwiGLU MLPs (`intermediate_size`), the others MoE:
 DeepSeek-V3's sigmoid router (`Glm4MoeTopkRouter`: score-correction bias, group-limited top-k, scaling factor;
-translated by `routers.sigmoid_router_kwargs`, the bias frozen during RL) over `n_routed_experts` SwiGLU experts,
-plus `n_shared_experts` always-on experts fused into one ungated MLP of width
-`moe_intermediate_size * n_shared_experts` whose output is added to the routed one. Untied embeddings.
+translated by `routers.sigmoid_router_kwargs`; the bias moves only if model.options.expert_bias_update_rate > 0)
+over `n_routed_experts` SwiGLU experts, plus `n_shared_experts` always-on experts fused into one ungated MLP of
+width `moe_intermediate_size * n_shared_experts` whose output is added to the routed one. Untied embeddings.
 
 Partial RoPE: transformers rotates the FIRST `int(head_dim * partial_rotary_factor)` dims of each head and passes
 the rest through, rotate-half style (not interleaved); `partial_rotary_factor` defaults to 0.5 when config.json
