@@ -1,0 +1,407 @@
+"""GPT-OSS (HF `model_type: gpt_oss`: openai/gpt-oss-20b, gpt-oss-120b).
+
+Architecture (transformers `models/gpt_oss/modeling_gpt_oss.py`): pre-norm RMSNorm decoder, GQA attention with
+biases on q/k/v/o and one learnable attention sink per head (`self_attn.sinks`: an extra logit in each row's
+softmax whose probability is dropped), sliding-window attention on the layers `layer_types` marks
+`sliding_attention` (a query sees its own and the `sliding_window - 1` previous tokens), YaRN RoPE, every layer
+MoE: a router with bias whose top-k logits are softmaxed, and experts with biases computing a clamped SwiGLU
+with an offset, `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = clamp(gate, max=limit)`.
+
+Megatron-Core equivalents (local and TE specs): `softmax_type="learnable"` (the sinks are
+`core_attention.softmax_offset`), `window_size=(sliding_window - 1, 0)` with `window_attn_skip_freq` the
+per-layer list (1 = windowed), `glu_linear_offset=1`, `activation_func_clamp_value=limit`, and an activation
+`x * sigmoid(alpha * x)`; `add_bias_linear` gives the router, attention and expert biases. YaRN:
+`position_embedding_type="yarn"` reads `config.yarn_*` attributes TransformerConfig does not declare
+(`gpt_model.py`, YarnRotaryEmbedding), set after construction (`config_attributes`).
+
+HF stores each layer's experts fused: `mlp.experts.gate_up_proj` `[E, hidden, 2I]` applied as `x @ W[e]` with
+the gate in the even and the up projection in the odd columns (`GptOssExperts._apply_gate`), its bias
+`gate_up_proj_bias` `[E, 2I]` interleaved the same way, `down_proj` `[E, I, hidden]` applied as `h @ W[e]`, and
+`down_proj_bias` `[E, hidden]`. Megatron's expert `linear_fc1` is `[gate; up]` `[2I, hidden]` applied as
+`x @ W.T`, `linear_fc2` is `[hidden, I]`.
+
+MXFP4 checkpoints (the published gpt-oss weights: `quantization_config.quant_method == "mxfp4"`, experts stored
+as `*_blocks` / `*_scales`) are refused with instructions to dequantise first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from megatron_rl.megatron_backend.models.family import (
+    HFConfig,
+    ModelDims,
+    ModelFamily,
+    UnsupportedModelError,
+    register_family,
+    require_keys,
+)
+from megatron_rl.megatron_backend.models.mapping import Mapping, QKVMapping
+from megatron_rl.megatron_backend.models.moe_decoder import decoder_transformer_config
+
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "rms_norm_eps",
+)
+DEFAULT_SWIGLU_ALPHA = 1.702  # GptOssConfig.swiglu_alpha; the published checkpoints do not write it
+DEFAULT_SWIGLU_LIMIT = 7.0
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+DEQUANTISE_HINT = (
+    "dequantise it once and point the run at the copy: "
+    "`from transformers import AutoModelForCausalLM, Mxfp4Config; "
+    "m = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), "
+    "dtype='bfloat16'); m.save_pretrained(out)`"
+)
+
+
+# --------------------------------------------------------------------------------------
+# Config translation
+# --------------------------------------------------------------------------------------
+
+
+def _refuse_quantized(hf: HFConfig) -> None:
+    quant = hf.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    raise UnsupportedModelError(
+        f"gpt_oss checkpoint is quantised (quantization_config.quant_method={method!r}); training needs the "
+        f"full-precision weights: {DEQUANTISE_HINT}"
+    )
+
+
+def layer_types(hf: HFConfig) -> list[str]:
+    """Each layer's attention kind; transformers' default alternates sliding (even layers) and full."""
+    n = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if len(kinds) != n or unknown:
+        raise UnsupportedModelError(
+            f"gpt_oss layer_types must list {n} entries of {list(LAYER_TYPES)}; got {len(kinds)} with {unknown}"
+        )
+    if "sliding_attention" in kinds and not hf.get("sliding_window"):
+        raise UnsupportedModelError("gpt_oss layer_types has sliding_attention layers but no sliding_window > 0")
+    return list(kinds)
+
+
+def rope_parameters(hf: HFConfig) -> dict[str, Any]:
+    """The RoPE settings: transformers 5's `rope_parameters`, or the published checkpoints' `rope_scaling` plus a
+    top-level `rope_theta`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if "rope_theta" not in params:
+        if "rope_theta" not in hf:
+            raise UnsupportedModelError(
+                "gpt_oss config.json has no rope_theta (neither top-level nor in rope_parameters)"
+            )
+        params["rope_theta"] = hf["rope_theta"]
+    if params["rope_type"] not in ("yarn", "default"):
+        raise UnsupportedModelError(f"gpt_oss with rope_type={params['rope_type']!r}: only 'yarn' and 'default'")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("gpt_oss with partial_rotary_factor != 1 is not supported")
+    if params.get("attention_factor") is not None:
+        raise UnsupportedModelError(
+            "gpt_oss YaRN with an explicit attention_factor is not supported (Megatron derives it from factor, "
+            "mscale and mscale_all_dim)"
+        )
+    return params
+
+
+def dims(hf: HFConfig) -> ModelDims:
+    require_keys(hf, *REQUIRED_KEYS)
+    _refuse_quantized(hf)
+    if not hf.get("attention_bias", True):
+        raise UnsupportedModelError(
+            "gpt_oss with attention_bias=false is not supported: Megatron's add_bias_linear gives the attention "
+            "the biases the router and experts need"
+        )
+    top_k = int(hf["num_experts_per_tok"])
+    if int(hf.get("experts_per_token", top_k)) != top_k:
+        raise UnsupportedModelError(
+            f"gpt_oss config.json has experts_per_token={hf['experts_per_token']} != num_experts_per_tok={top_k}"
+        )
+    heads, groups = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"])
+    if heads % groups:
+        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    layer_types(hf)
+    rope_parameters(hf)
+    n = int(hf["num_hidden_layers"])
+    return ModelDims(
+        model_type="gpt_oss",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=n,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_experts=int(hf["num_local_experts"]),
+        top_k=top_k,
+        moe_layer_pattern=(1,) * n,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_ffn_hidden_size=int(hf["intermediate_size"]),
+        qkv_bias=True,
+        # HF softmaxes the top-k router logits = Megatron's moe_router_pre_softmax=False
+        renormalize_top_k=True,
+    )
+
+
+def sigmoid_gate(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """GPT-OSS's gate activation `x * sigmoid(alpha * x)` (`GptOssExperts._apply_gate`); Megatron's `quick_gelu`
+    is this with alpha fixed at 1.702 and compiled, so the family passes its own."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
+    d = dims(hf)
+    kinds = layer_types(hf)
+    kwargs = decoder_transformer_config(hf, d)
+    kwargs.update(
+        activation_func=functools.partial(sigmoid_gate, alpha=float(hf.get("swiglu_alpha", DEFAULT_SWIGLU_ALPHA))),
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=float(hf.get("swiglu_limit", DEFAULT_SWIGLU_LIMIT)),
+        add_bias_linear=True,  # router, q/k/v/o and expert biases
+        add_qkv_bias=True,
+        bias_activation_fusion=False,
+        softmax_type="learnable",
+    )
+    if "sliding_attention" in kinds:
+        kwargs.update(
+            window_size=(int(hf["sliding_window"]) - 1, 0),  # HF: key j visible to query i iff i - W < j <= i
+            window_attn_skip_freq=[int(kind == "sliding_attention") for kind in kinds],  # 1 = windowed layer
+        )
+    return kwargs
+
+
+def config_attributes(hf: HFConfig) -> dict[str, Any]:
+    """YaRN's `yarn_*` attributes, which GPTModel reads from the config (gpt_model.py, `position_embedding_type
+    == "yarn"`) and `TransformerConfig` does not declare; matched to transformers' `_compute_yarn_parameters`."""
+    rope = rope_parameters(hf)
+    if rope["rope_type"] != "yarn":
+        return {}
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or int(hf.get("max_position_embeddings", 131072)) / original
+    mscale, mscale_all_dim = rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
+    both = bool(mscale and mscale_all_dim)  # HF uses the pair only when both are non-zero, Megatron when not None
+    return dict(
+        yarn_rotary_scaling_factor=float(factor),
+        yarn_original_max_position_embeddings=original,
+        yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+        yarn_mscale=float(mscale) if both else None,
+        yarn_mscale_all_dim=float(mscale_all_dim) if both else None,
+        yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
+    )
+
+
+def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
+    d = dims(hf)
+    rope = rope_parameters(hf)
+    return dict(
+        max_sequence_length=d.max_position_embeddings,
+        position_embedding_type="yarn" if rope["rope_type"] == "yarn" else "rope",
+        rotary_base=float(rope["rope_theta"]),
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=d.tie_word_embeddings,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Layer spec: Megatron's, with sinks that carry their tensor-parallel attributes
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def local_spec_modules() -> tuple[type, type]:
+    """The two local-spec modules GPT-OSS needs in place of Megatron's (classes built once, on first use):
+    attention with proper sinks, and the experts' fc2 whose output Megatron may add the bias to in place."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear, set_tensor_model_parallel_attributes
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SinkDotProductAttention(DotProductAttention):
+        """Megatron's local attention with its learnable sinks (`softmax_offset`, this rank's heads) made like
+        every other parameter. Megatron creates them (dot_product_attention.py, `softmax_type == "learnable"`)
+        per partition but without the tensor-parallel attribute, so weight loading would treat them as replicated
+        and the gradient norm would count only TP rank 0's; and on `torch.cuda.current_device()` explicitly, so a
+        model built on the meta device (the converters) would get real, randomly initialised sinks."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            sinks: Any = getattr(self, "softmax_offset")  # noqa: B009 (mypy cannot type Megatron's attribute)
+            if not isinstance(sinks, torch.nn.Parameter):
+                return
+            if torch.empty(0).device.type == "meta":  # built under `torch.device("meta")`
+                sinks = self.softmax_offset = torch.nn.Parameter(torch.empty_like(sinks, device="meta"))
+            set_tensor_model_parallel_attributes(sinks, is_parallel=True, dim=0, stride=1)
+
+    class ExpertFc2(RowParallelLinear):
+        """Megatron's expert fc2 (RowParallelLinear, tensor_parallel/layers.py) with two fixes for biased experts.
+
+        1. Its output is safe to modify in place. Without expert parallelism (expert TP 1), RowParallelLinear
+           returns the matmul through a no-op reduction autograd Function (tensor_parallel/mappings.py: a group of
+           one returns its input), which autograd marks as a view; Megatron's expert MLP then adds the bias in
+           place (transformer/mlp.py, `output += output_bias * per_token_scale`) and the backward pass refuses it.
+        2. Its bias carries the attributes of what it is, a tensor split over the expert tensor-parallel group
+           (always of one rank: Megatron refuses biased experts otherwise). As built it is tagged
+           `sequence_parallel` whenever the config is, so finalize_model_grads sums its gradient over the dense
+           tensor-parallel group (with EP=2 that adds another expert's gradient, without EP it doubles it); and it
+           is not tagged `tensor_model_parallel`, so the gradient norm counts it on dense-TP rank 0 only
+           (tensor_parallel/layers.py `param_is_not_tensor_parallel_duplicate`), leaving out the experts other
+           ranks hold."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.bias is not None:
+                self.bias.sequence_parallel = False
+                set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+
+        def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            output, bias = super().forward(*args, **kwargs)
+            if not self.explicit_expert_comm and torch.is_grad_enabled():
+                output = output.clone()
+            return output, bias
+
+    return SinkDotProductAttention, ExpertFc2
+
+
+def _local_layer(spec: Any, core_attention: type, expert_fc2: type) -> Any:
+    """A local-spec layer spec with GPT-OSS's core attention and expert fc2 (specs are shared: rebuilt, not edited)."""
+    replace = dataclasses.replace
+    sub = spec.submodules
+    attention = replace(
+        sub.self_attention, submodules=replace(sub.self_attention.submodules, core_attention=core_attention)
+    )
+    experts = sub.mlp.submodules.experts
+    experts = replace(experts, submodules=replace(experts.submodules, linear_fc2=expert_fc2))
+    mlp = replace(sub.mlp, submodules=replace(sub.mlp.submodules, experts=experts))
+    return replace(spec, submodules=replace(sub, self_attention=attention, mlp=mlp))
+
+
+def layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
+    """Megatron's GPT decoder block spec; on the local spec with `local_spec_modules()` in every layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if use_te:
+        return block
+    modules = local_spec_modules()
+    return dataclasses.replace(block, layer_specs=[_local_layer(spec, *modules) for spec in block.layer_specs])
+
+
+# --------------------------------------------------------------------------------------
+# Weight mappings
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedGLUMapping(Mapping):
+    """One expert's slice of HF `gate_up_proj` (`[hidden, 2I]`, applied as `x @ W`) or `gate_up_proj_bias`
+    (`[2I]`), gate in the even and up in the odd columns <-> Megatron's expert fc1 `[gate; up]` (`[2I, hidden]` /
+    `[2I]`)."""
+
+    glu_halves: ClassVar[bool] = True
+
+    def to_megatron(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        rows = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]  # [2I, ...] in HF's interleaved order
+        return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        gate, up = tensor.chunk(2, dim=0)
+        rows = torch.stack([gate, up], dim=1).reshape(tensor.shape)  # gate_0, up_0, gate_1, up_1, ...
+        return [rows.t().contiguous() if rows.dim() == 2 else rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedMapping(Mapping):
+    """One expert's slice of HF `down_proj` (`[I, hidden]`, applied as `h @ W`) <-> Megatron's fc2 `[hidden, I]`."""
+
+    def to_megatron(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0].t().contiguous()
+
+    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.t().contiguous()]
+
+
+def _qkv(d: ModelDims, megatron: str, h: str, kind: str) -> QKVMapping:
+    hf = tuple(f"{h}self_attn.{p}_proj.{kind}" for p in "qkv")
+    return QKVMapping(megatron, hf, heads=d.num_attention_heads, groups=d.num_query_groups, head_dim=d.head_dim)
+
+
+def mappings(hf: HFConfig) -> list[Mapping]:
+    d = dims(hf)
+    m, h = "decoder.layers.{layer}.", "model.layers.{layer}."
+    me, he = m + "mlp.experts.local_experts.{expert}.", h + "mlp.experts."
+    out = [
+        Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab_padded=True),
+        Mapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    ]
+    if not d.tie_word_embeddings:
+        out.append(Mapping("output_layer.weight", ("lm_head.weight",), vocab_padded=True))
+    out += [
+        Mapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",)),
+        _qkv(d, m + "self_attention.linear_qkv.weight", h, "weight"),
+        _qkv(d, m + "self_attention.linear_qkv.bias", h, "bias"),
+        Mapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",)),
+        Mapping(m + "self_attention.linear_proj.bias", (h + "self_attn.o_proj.bias",)),
+        Mapping(m + "self_attention.core_attention.softmax_offset", (h + "self_attn.sinks",)),
+        Mapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
+        Mapping(m + "mlp.router.weight", (h + "mlp.router.weight",)),
+        Mapping(m + "mlp.router.bias", (h + "mlp.router.bias",)),
+        InterleavedGLUMapping(me + "linear_fc1.weight", (he + "gate_up_proj",)),
+        InterleavedGLUMapping(me + "linear_fc1.bias", (he + "gate_up_proj_bias",)),
+        TransposedMapping(me + "linear_fc2.weight", (he + "down_proj",)),
+        Mapping(me + "linear_fc2.bias", (he + "down_proj_bias",)),
+    ]
+    return out
+
+
+def record_router_routes(model: Any, sink: Callable[[torch.Tensor], None]) -> list[Any]:
+    """HF GPT-OSS: every `mlp.router` (GptOssTopKRouter) returns `(logits, scores, top-k indices)`."""
+    routers = [module for name, module in model.named_modules() if name.endswith("mlp.router")]
+    return [r.register_forward_hook(lambda _m, _i, out: sink(out[2].detach())) for r in routers]
+
+
+FAMILY = register_family(
+    ModelFamily(
+        model_type="gpt_oss",
+        hf_architecture="GptOssForCausalLM",
+        dims=dims,
+        transformer_config_kwargs=transformer_config_kwargs,
+        gpt_model_kwargs=gpt_model_kwargs,
+        mappings=mappings,
+        config_keys=frozenset(
+            {
+                "attention_bias",
+                "experts_per_token",
+                "initial_context_length",
+                "layer_types",
+                "num_local_experts",
+                "quantization_config",
+                "sliding_window",
+                "swiglu_alpha",
+                "swiglu_limit",
+            }
+        ),
+        config_attributes=config_attributes,
+        layer_spec=layer_spec,
+        record_routes=record_router_routes,
+        supports="attention sinks, alternating sliding window, YaRN, clamped SwiGLU experts with biases, router "
+        "bias; fused expert tensors; MXFP4 checkpoints refused (dequantise first)",
+    )
+)
