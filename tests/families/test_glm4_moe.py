@@ -172,3 +172,40 @@ def test_rl_updates_keep_the_checkpoints_expert_bias(tmp_path: Path, capfd: pyte
         # each step moves each expert's bias by -1e-3, 0 or +1e-3 (the sign of its load deficit)
         steps = (exported[1e-3][h + "e_score_correction_bias"] - bias) / 1e-3
         assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.round().abs().max() == 2, steps
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the launch planner counts a Qwen2-MoE shared-expert gate (hidden params) per MoE layer; GLM's shared "
+    "experts are ungated",
+)
+def test_planner_counts_glm_parameters(full_model: Path) -> None:
+    """The launch planner's parameter count equals transformers' own model (partial RoPE, QKV biases, QK-norm, two
+    shared experts, a dense first layer)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.launch.plan import ClusterSpec, make_plan
+
+    repo = Path(__file__).resolve().parents[2]
+    tiny = json.loads((full_model / "config.json").read_text())
+    plan = make_plan(load_config(repo / "examples" / "tiny_moe_gspo.yaml"), tiny, ClusterSpec(1, 1, 80))
+    model = AutoModelForCausalLM.from_pretrained(full_model)
+    assert plan.params["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_the_air_example_plan_holds_its_header_numbers() -> None:
+    """examples/glm45_air_gspo.yaml on 4 nodes of 8x H200 plans what its header says: 106.85 B parameters (99.66 B
+    in experts, 13.42 B active), 112.0 GiB per GPU of 136, 23.0 KiB of KV cache per token and GPU (46 layers x K,V
+    x 1 KV head x 128 x 2 B)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.launch.plan import ClusterSpec, make_plan
+
+    repo = Path(__file__).resolve().parents[2]
+    air = json.loads((repo / "examples" / "hf_configs" / "glm45_air.json").read_text())
+    assert air == GLM45_AIR
+    plan = make_plan(load_config(repo / "examples" / "glm45_air_gspo.yaml"), air, ClusterSpec(4, 8, 141))
+    assert [round(plan.params[k] / 1e9, 2) for k in ("total", "experts", "active")] == [106.85, 99.66, 13.42]
+    assert round(plan.memory.total / 2**30, 1) == 112.0 and round(plan.memory.budget / 2**30, 1) == 136.0
+    assert plan.memory.sglang_kv_token_bytes == 46 * 2 * 1 * 128 * 2
