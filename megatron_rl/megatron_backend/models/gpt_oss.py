@@ -278,17 +278,29 @@ def local_spec_modules() -> tuple[type, type]:
     return SinkDotProductAttention, ExpertFc2
 
 
+def _submodules(spec: Any) -> Any:
+    """A module spec's submodules: a `ModuleSpec`'s field, or (megatron-core 0.19's MoE specs) the `submodules`
+    keyword of a `functools.partial`."""
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+
+
+def _with_submodules(spec: Any, **changes: Any) -> Any:
+    """A copy of `spec` with fields of its submodules replaced (specs are shared between layers: never edited)."""
+    submodules = dataclasses.replace(_submodules(spec), **changes)
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+    return dataclasses.replace(spec, submodules=submodules)
+
+
 def _local_layer(spec: Any, core_attention: type, expert_fc2: type) -> Any:
-    """A local-spec layer spec with GPT-OSS's core attention and expert fc2 (specs are shared: rebuilt, not edited)."""
-    replace = dataclasses.replace
-    sub = spec.submodules
-    attention = replace(
-        sub.self_attention, submodules=replace(sub.self_attention.submodules, core_attention=core_attention)
+    """A local-spec layer spec with GPT-OSS's core attention and expert fc2."""
+    layer = _submodules(spec)
+    experts = _with_submodules(_submodules(layer.mlp).experts, linear_fc2=expert_fc2)
+    return _with_submodules(
+        spec,
+        self_attention=_with_submodules(layer.self_attention, core_attention=core_attention),
+        mlp=_with_submodules(layer.mlp, experts=experts),
     )
-    experts = sub.mlp.submodules.experts
-    experts = replace(experts, submodules=replace(experts.submodules, linear_fc2=expert_fc2))
-    mlp = replace(sub.mlp, submodules=replace(sub.mlp.submodules, experts=experts))
-    return replace(spec, submodules=replace(sub, self_attention=attention, mlp=mlp))
 
 
 def layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
