@@ -13,6 +13,7 @@ from megatron_rl.megatron_backend.hf_weights import SafetensorsIndex
 from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family
 from megatron_rl.megatron_backend.models.architecture import model_dims
 from tests.families.family_checks import check_conversion_round_trip, check_family
+from tests.families.mtp_layer import add_mtp_layer
 from tests.families.tiny_glm4_moe import AIR_LIKE, FULL, make_tiny_glm4_moe
 
 # GLM-4.5-Air's config.json (zai-org/GLM-4.5-Air), as transformers 4.54 wrote it.
@@ -112,7 +113,7 @@ def test_air_like_model_matches_transformers_at_every_layout(air_like_model: Pat
 
 def test_conversion_round_trip_is_bitwise_and_keeps_the_mtp_layer(tmp_path: Path) -> None:
     """Every tensor back bitwise: the router's expert bias (a buffer) and the MTP layer the model does not build."""
-    model_dir = make_tiny_glm4_moe(tmp_path / "with_mtp", FULL, mtp_layer=True)
+    model_dir = add_mtp_layer(make_tiny_glm4_moe(tmp_path / "plain", FULL), tmp_path / "with_mtp")
     assert any(".layers.3." in n for n in SafetensorsIndex(model_dir).names())
     check_conversion_round_trip(model_dir, tmp_path)
 
@@ -133,7 +134,7 @@ def test_rl_updates_keep_the_checkpoints_expert_bias(tmp_path: Path, capfd: pyte
     from megatron_rl.megatron_backend.model_builder import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
-    model_dir = make_tiny_glm4_moe(tmp_path / "with_mtp", AIR_LIKE, mtp_layer=True)
+    model_dir = add_mtp_layer(make_tiny_glm4_moe(tmp_path / "plain", AIR_LIKE), tmp_path / "with_mtp")
     ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = TokenBatch(ids, torch.tensor([12, 12]), torch.tensor([4, 4]))
 

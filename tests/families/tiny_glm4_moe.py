@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 COMMON = dict(
     vocab_size=128,
@@ -55,19 +54,18 @@ AIR_LIKE = dict(
 )
 
 
-def make_tiny_glm4_moe(out_dir: Path, config: dict, *, seed: int = 0, mtp_layer: bool = False) -> Path:
+def make_tiny_glm4_moe(out_dir: Path, config: dict, *, seed: int = 0) -> Path:
     """Save a randomly initialised tiny GLM-4.5 (safetensors, fp32) with the character tokenizer to `out_dir`.
 
-    `mtp_layer`: also store an MTP layer after the last decoder layer, as the released checkpoints do (a copy of
-    the last layer's tensors plus `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`); transformers ignores it.
-    """
+    Its config.json declares one MTP layer (`num_nextn_predict_layers`, transformers' default, as the released
+    checkpoints do); `tests/families/mtp_layer.add_mtp_layer` adds its tensors."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     from megatron_rl.tiny_model import build_char_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**config, num_nextn_predict_layers=1 if mtp_layer else 0))
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**config))
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -80,27 +78,4 @@ def make_tiny_glm4_moe(out_dir: Path, config: dict, *, seed: int = 0, mtp_layer:
                 tensor.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     build_char_tokenizer(config["vocab_size"]).save_pretrained(out_dir)
-    if mtp_layer:
-        _add_mtp_layer(out_dir, config)
     return out_dir
-
-
-def _add_mtp_layer(out_dir: Path, config: dict) -> None:
-    path = out_dir / "model.safetensors"
-    weights = load_file(str(path))
-    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
-    gen = torch.Generator().manual_seed(1)
-    extra = {
-        k.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): torch.randn(v.shape, generator=gen)
-        for k, v in weights.items()
-        if k.startswith(f"model.layers.{last}.")
-    }
-    hidden = config["hidden_size"]
-    for name, shape in (
-        ("eh_proj.weight", (hidden, 2 * hidden)),
-        ("enorm.weight", (hidden,)),
-        ("hnorm.weight", (hidden,)),
-        ("shared_head.norm.weight", (hidden,)),
-    ):
-        extra[f"model.layers.{mtp}.{name}"] = torch.randn(shape, generator=gen)
-    save_file({**weights, **extra}, str(path), metadata={"format": "pt"})
