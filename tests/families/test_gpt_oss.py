@@ -150,6 +150,7 @@ def test_gpt_oss_20b_config_translates_to_megatron() -> None:
         ({"experts_per_token": 2}, r"experts_per_token=2 != num_experts_per_tok=4"),
         ({"layer_types": ["sliding_attention", "chunked_attention"] * 12}, r"layer_types must list 24 entries of"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, r"rope_type='linear'"),
+        ({"rope_scaling": None}, r"neither rope_parameters nor rope_scaling"),
         ({"rope_scaling": {**GPT_OSS_20B["rope_scaling"], "attention_factor": 1.5}}, r"explicit attention_factor"),
     ],
 )

@@ -7,7 +7,8 @@ softmax whose probability is dropped), sliding-window attention on the layers `l
 MoE: a router with bias whose top-k logits are softmaxed, and experts with biases computing a clamped SwiGLU
 with an offset, `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = clamp(gate, max=limit)`.
 
-Megatron-Core equivalents (local and TE specs): `softmax_type="learnable"` (the sinks are
+Megatron-Core equivalents (config fields both layer specs read; checked here on the local spec, with the local
+modules `layer_spec` substitutes): `softmax_type="learnable"` (the sinks are
 `core_attention.softmax_offset`), `window_size=(sliding_window - 1, 0)` with `window_attn_skip_freq` the
 per-layer list (1 = windowed), `glu_linear_offset=1`, `activation_func_clamp_value=limit`, and an activation
 `x * sigmoid(alpha * x)`; `add_bias_linear` gives the router, attention and expert biases. YaRN:
@@ -21,7 +22,9 @@ the gate in the even and the up projection in the odd columns (`GptOssExperts._a
 `x @ W.T`, `linear_fc2` is `[hidden, I]`.
 
 MXFP4 checkpoints (the published gpt-oss weights: `quantization_config.quant_method == "mxfp4"`, experts stored
-as `*_blocks` / `*_scales`) are refused with instructions to dequantise first.
+as `*_blocks` / `*_scales`) are refused with instructions to dequantise first (transformers' `Mxfp4Config(
+dequantize=True)` drops `quantization_config` from the config it saves). `hidden_act` is ignored, as transformers'
+GPT-OSS ignores it.
 """
 
 from __future__ import annotations
@@ -99,8 +102,13 @@ def layer_types(hf: HFConfig) -> list[str]:
 
 def rope_parameters(hf: HFConfig) -> dict[str, Any]:
     """The RoPE settings: transformers 5's `rope_parameters`, or the published checkpoints' `rope_scaling` plus a
-    top-level `rope_theta`."""
+    top-level `rope_theta`. Neither is refused: transformers would fill in GptOssConfig's YaRN defaults."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if not params:
+        raise UnsupportedModelError(
+            "gpt_oss config.json has neither rope_parameters nor rope_scaling (transformers would assume its YaRN "
+            "defaults): load and re-save the model with transformers so that the config states its RoPE"
+        )
     params.setdefault("rope_type", params.pop("type", "default"))
     if "rope_theta" not in params:
         if "rope_theta" not in hf:
