@@ -3,7 +3,7 @@ transformers at every layout, its conversion round trip, its routing replay, and
 
 Tolerance table (fp32, max |log-prob| / |entropy| error vs transformers 5.24; megatron-core 0.16.1 and 0.19.2 alike):
 q_lora + YaRN:    tp1 1.5e-6, tp2_sp 1.8e-6, ep2 1.5e-6, pp2_uneven 1.5e-6, tp2_sp_ep2 2.0e-6;
-no q_lora + RoPE: tp1 1.9e-6, tp2_sp 2.2e-6, ep2 1.9e-6, pp2_uneven 1.9e-6, tp2_sp_ep2 2.2e-6;
+no q_lora + RoPE + rms_norm_eps 1e-2: tp1 1.9e-6, tp2_sp 1.1e-6, ep2 1.9e-6, pp2_uneven 1.9e-6, tp2_sp_ep2 1.9e-6;
 expert sets identical at every position and MoE layer; exports bitwise; layouts' first updates equal TP=1's.
 """
 
@@ -181,3 +181,39 @@ def test_refuses_what_megatron_would_compute_differently(change: dict, match: st
     config = {**DEEPSEEK_V3, **change}
     with pytest.raises(UnsupportedModelError, match=match):
         get_family(config).transformer_config_kwargs(config)
+
+
+def test_the_671b_example_plan_holds_its_header_numbers() -> None:
+    """examples/deepseek_v3_671b_gspo.yaml on 20 nodes of 8x B200: 671 B parameters, 37.6 B active; SGLang's MLA
+    cache 61 layers x (512 + 64) x 2 B per token on every GPU, ~197k tokens per server."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.launch.plan import ClusterSpec, make_plan
+
+    repo = Path(__file__).resolve().parents[2]
+    hf = json.loads((repo / "examples" / "hf_configs" / "deepseek_v3.json").read_text())
+    plan = make_plan(load_config(repo / "examples" / "deepseek_v3_671b_gspo.yaml"), hf, ClusterSpec(20, 8, 178, 4))
+    assert round(plan.params["total"] / 1e9, 1) == 671.0 and round(plan.params["active"] / 1e9, 1) == 37.6
+    assert plan.layout.stage_layers == (16, 15, 15, 15)
+    assert plan.memory.sglang_kv_token_bytes == 61 * (512 + 64) * 2
+    assert round(plan.memory.sglang_kv_tokens / 1e3) == 197
+
+
+def test_te_spec_refuses_what_its_fused_latent_norms_compute_differently() -> None:
+    """The TE spec fuses the latent norms into the up projections with rms_norm_eps (transformers: 1e-6), and
+    megatron-core 0.19 resolves a Q norm into a fused linear_q_proj when q_lora_rank is None (Moonlight), which HF
+    does not have: both refused for the TE spec (the local spec is exact)."""
+    from types import SimpleNamespace
+
+    from megatron_rl.megatron_backend import platform
+
+    platform.prepare_megatron_import()
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_rl.megatron_backend.models.mla import mla_layer_spec
+
+    moonlight_eps = SimpleNamespace(q_lora_rank=1536, layernorm_epsilon=1e-5)
+    with pytest.raises(UnsupportedModelError, match=r"rms_norm_eps=1e-05 with the Transformer Engine spec"):
+        mla_layer_spec(moonlight_eps, True, None)
+    if hasattr(MLASelfAttention, "_resolve_qk_norm_config"):  # 0.19.x
+        with pytest.raises(UnsupportedModelError, match="q_lora_rank=None with the Transformer Engine spec"):
+            mla_layer_spec(SimpleNamespace(q_lora_rank=None, layernorm_epsilon=1e-6), True, None)

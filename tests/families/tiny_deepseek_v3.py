@@ -1,8 +1,9 @@
 """Tiny DeepSeek-V3 checkpoints built by transformers itself (test support).
 
 Two models exercise every option the family translates: Multi-Latent Attention with a query latent and YaRN
-(mscale != mscale_all_dim), and without one (Moonlight's `q_lora_rank=None`) with plain RoPE; both with a dense
-first layer, v_head_dim != the query/key head width, a sigmoid router whose score-correction bias is non-zero,
+(mscale != mscale_all_dim), and without one (Moonlight's `q_lora_rank=None`) with plain RoPE and an rms_norm_eps
+far from the latent norms' fixed 1e-6 (Moonlight: 1e-5; 1e-2 makes a mix-up visible: 0.7 in log-prob); both with
+a dense first layer, v_head_dim != the query/key head width, a sigmoid router whose score-correction bias is non-zero,
 group-limited top-k (4 groups, 2 kept, top-4: 4 // 2 == 2 as Megatron requires), routed_scaling_factor 2.5 and
 a shared expert. The MTP layer a DeepSeek-V3 checkpoint may carry is added by `add_mtp_layer`.
 """
@@ -18,7 +19,7 @@ SHAPES = dict(
     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=12, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, max_position_embeddings=256,
-    rms_norm_eps=1e-6, tie_word_embeddings=False,
+    tie_word_embeddings=False,
 )  # fmt: skip
 YARN = dict(
     rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
@@ -34,7 +35,8 @@ def build_tiny_deepseek_v3(path: Path, *, q_lora_rank: int | None, seed: int = 0
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     rope = YARN if q_lora_rank else dict(rope_type="default", rope_theta=50000.0)
-    config = DeepseekV3Config(**SHAPES, q_lora_rank=q_lora_rank, rope_parameters=rope)
+    eps = 1e-6 if q_lora_rank else 1e-2
+    config = DeepseekV3Config(**SHAPES, q_lora_rank=q_lora_rank, rope_parameters=rope, rms_norm_eps=eps)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():

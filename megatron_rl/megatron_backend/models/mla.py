@@ -39,6 +39,9 @@ from typing import Any
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelDims, UnsupportedModelError
 from megatron_rl.megatron_backend.models.mapping import Mapping
 
+# transformers builds the latent norms as `DeepseekV3RMSNorm(q_lora_rank)` / `(kv_lora_rank)`: its default eps,
+# whatever rms_norm_eps says (Moonlight: 1e-5); Megatron gives them config.layernorm_epsilon.
+LATENT_NORM_EPS = 1e-6
 # config.json keys `mla_rope_kwargs` and `mla_config_kwargs` read (beside the common ones).
 MLA_KEYS = frozenset(
     {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
@@ -167,6 +170,12 @@ def mla_layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
             "q_lora_rank=None with the Transformer Engine spec on megatron-core 0.19: its MLA puts a fused RMSNorm "
             "before linear_q_proj that the HF model does not have; use model.options.layer_spec=local"
         )
+    if use_te and config.layernorm_epsilon != LATENT_NORM_EPS:
+        raise UnsupportedModelError(
+            f"rms_norm_eps={config.layernorm_epsilon} with the Transformer Engine spec: its MLA latent norms (fused "
+            f"into the up projections) take rms_norm_eps, transformers' take {LATENT_NORM_EPS}; use "
+            "model.options.layer_spec=local"
+        )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if use_te:
         return spec
@@ -176,9 +185,23 @@ def mla_layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
         attn.module = attention
         attn.submodules.core_attention = core_attention
         attn.submodules.linear_q_down_proj = attn.submodules.linear_kv_down_proj = replicated_linear
-        if config.q_lora_rank is None:
-            attn.submodules.q_layernorm = IdentityOp  # no query latent, no query norm
+        latent_norm = _latent_norm(attn.submodules.kv_layernorm)
+        attn.submodules.kv_layernorm = latent_norm
+        # no query latent, no query norm
+        attn.submodules.q_layernorm = latent_norm if config.q_lora_rank is not None else IdentityOp
     return spec
+
+
+@functools.cache
+def _latent_norm(norm: Any) -> type:
+    """The spec's RMSNorm built with transformers' latent-norm eps (`LATENT_NORM_EPS`) instead of the eps MLA
+    passes (config.layernorm_epsilon)."""
+
+    class _LatentRMSNorm:
+        def __new__(cls, *args: Any, eps: float | None = None, **kwargs: Any) -> Any:
+            return norm(*args, eps=LATENT_NORM_EPS, **kwargs)
+
+    return _LatentRMSNorm
 
 
 def _resolves_norms_by_backend() -> bool:
