@@ -26,8 +26,9 @@ from megatron_rl.megatron_backend.models.gpt_oss import (
     config_attributes,
     transformer_config_kwargs,
 )
-from tests.families.family_checks import LAYOUTS_2, check_conversion_round_trip, check_family
-from tests.families.tiny_gpt_oss import build_tiny_gpt_oss, tiny_gpt_oss_config
+from tests.actor.hf_reference import hf_score
+from tests.families.family_checks import LAYOUTS_2, TOL_HF, check_conversion_round_trip, check_family
+from tests.families.tiny_gpt_oss import SLIDING_WINDOW, build_tiny_gpt_oss, tiny_gpt_oss_config
 
 # Megatron-Core refuses biases in experts split over tensor-parallel ranks ("Bias in Moe is only supported when
 # ETP==1", transformer_config.py), so TP=2+SP is checked with expert TP 1 together with EP=2 (tp2_sp_ep2). TP=2 with
@@ -67,6 +68,26 @@ def test_layouts_match_transformers(tiny: Path, tmp_path: Path) -> None:
     errors = check_family(tiny, tmp_path, LAYOUTS)
     print("gpt_oss max abs log-prob/entropy error vs transformers:", errors)
     assert set(errors) == {"tp1", *(layout["name"] for layout in LAYOUTS)}
+
+
+def test_local_engine_generation_scores_like_a_full_forward(tiny: Path) -> None:
+    """The local engine (transformers' KV cache, prompts of different lengths batched, responses past the sliding
+    window) gives each token the log-prob and experts a full forward of the finished sequence gives: the R3 routes
+    the trainer replays come from the family's recorder on `mlp.router`."""
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local_engine import LocalEngine
+
+    engine = LocalEngine(tiny, stop_on_eos=False)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22]]
+    params = SamplingParams(max_new_tokens=14, temperature=1.0, seed=3)
+    out = engine.generate(prompts, params, n=2, return_routed_experts=True)
+    samples = [{"input_ids": s.prompt_ids + s.response_ids, "response_start": len(s.prompt_ids)} for s in out]
+    assert max(len(s["input_ids"]) for s in samples) > 2 * SLIDING_WINDOW
+    for sample, ref in zip(out, hf_score(tiny, samples), strict=True):
+        log_probs = torch.tensor(sample.response_log_probs, dtype=torch.float64)
+        assert (log_probs - ref["log_probs"]).abs().max() < TOL_HF
+        routes = torch.from_numpy(sample.routed_experts).long()
+        assert torch.equal(routes.sort(-1).values, ref["routed_experts"].long().sort(-1).values)
 
 
 def test_conversion_round_trip_is_bitwise(tiny: Path, tmp_path: Path) -> None:
