@@ -210,3 +210,22 @@ def test_the_air_example_plan_holds_its_header_numbers() -> None:
     assert [round(plan.params[k] / 1e9, 2) for k in ("total", "experts", "active")] == [106.85, 99.66, 13.42]
     assert round(plan.memory.total / 2**30, 1) == 112.0 and round(plan.memory.budget / 2**30, 1) == 136.0
     assert plan.memory.sglang_kv_token_bytes == 46 * 2 * 1 * 128 * 2
+
+
+def test_logprobs_cli_on_a_checkpoint_with_its_mtp_layer(air_like_model: Path, tmp_path: Path) -> None:
+    """`megatron-rl logprobs` on a GLM checkpoint as released (with its MTP layer) scores like transformers."""
+    import subprocess
+    import sys
+
+    from tests.actor.hf_reference import assert_matches_hf, hf_score, make_samples
+
+    model_dir = add_mtp_layer(air_like_model, tmp_path / "with_mtp")
+    samples = make_samples(vocab=128, n=3, seed=1)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "logprobs", "--hf-model", str(model_dir)]
+    cmd += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "multi-token-prediction (MTP) layers" in proc.stderr
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert_matches_hf(got, hf_score(air_like_model, samples))
