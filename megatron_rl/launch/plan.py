@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_rl.megatron_backend.models.architecture import model_dims
-from megatron_rl.megatron_backend.models.family import ModelDims, UnsupportedModelError
+from megatron_rl.megatron_backend.models.family import ModelDims, UnsupportedModelError, get_family
 from megatron_rl.megatron_backend.parallel_layout import LayoutError
 
 GiB = 2**30
@@ -169,7 +169,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
                     servers.append(RolloutServer(node, gpus, SGLANG_PORT + i))
             if len(servers) > 1:
                 router = (servers[0].node, ROUTER_PORT)
-    memory, params = _memory(cfg, dims, layout, cluster, colocated and sglang)
+    memory, params = _memory(cfg, dims, _shared_expert_gate(hf, dims), layout, cluster, colocated and sglang)
     if layout is not None and memory.total > memory.budget:
         reasons.append(
             f"training needs ~{memory.total / GiB:.1f} GiB per GPU but {memory.budget / GiB:.1f} GiB are available"
@@ -272,11 +272,23 @@ def kv_cache_token_bytes(d: ModelDims, server_tp: int, dtype_bytes: int = 2) -> 
     return d.num_layers * 2 * groups_per_gpu * d.head_dim * dtype_bytes
 
 
-def _memory(cfg, d: ModelDims, layout, cluster: ClusterSpec, colocated_sglang: bool) -> tuple[MemoryEstimate, dict]:
+def _shared_expert_gate(hf: dict, d: ModelDims) -> bool:
+    """Whether the shared expert's output is scaled by a learned gate (Qwen2-MoE; not DeepSeek-V3 or GLM-4.5), as
+    the family's weight mappings say."""
+    if not d.shared_expert_ffn_hidden_size or not d.moe_layers:
+        return False
+    gate = f"decoder.layers.{d.moe_layers[0]}.mlp.shared_experts.gate_weight"
+    return get_family(hf).weight_map(hf).rule(gate) is not None
+
+
+def _memory(
+    cfg, d: ModelDims, shared_gate: bool, layout, cluster: ClusterSpec, colocated_sglang: bool
+) -> tuple[MemoryEstimate, dict]:
     h = d.hidden_size
     attention = _attention_params(d)
     shared = d.shared_expert_ffn_hidden_size
-    moe_dense = d.num_experts * h + (3 * h * shared + h if shared else 0)  # router, shared expert and its gate
+    # the router, the shared expert and its gate
+    moe_dense = d.num_experts * h + (3 * h * shared if shared else 0) + (h if shared_gate else 0)
     expert = d.num_experts * 3 * h * d.moe_ffn_hidden_size
     per_layer_dense = [attention + (moe_dense if m else 3 * h * d.ffn_hidden_size) for m in d.moe_layer_pattern]
     per_layer_expert = [expert if m else 0 for m in d.moe_layer_pattern]

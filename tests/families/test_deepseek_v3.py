@@ -217,3 +217,23 @@ def test_te_spec_refuses_what_its_fused_latent_norms_compute_differently() -> No
     if hasattr(MLASelfAttention, "_resolve_qk_norm_config"):  # 0.19.x
         with pytest.raises(UnsupportedModelError, match="q_lora_rank=None with the Transformer Engine spec"):
             mla_layer_spec(SimpleNamespace(q_lora_rank=None, layernorm_epsilon=1e-6), True, None)
+
+
+@pytest.mark.parametrize("variant", ["q_lora_yarn", "no_q_lora_rope"])
+def test_planner_counts_mla_parameters_and_its_compressed_kv_cache(tiny_models: dict[str, Path], variant: str) -> None:
+    """The launch planner's parameter count equals transformers' own model; SGLang's MLA cache holds
+    kv_lora_rank + qk_rope_head_dim values per token and layer on every GPU, whatever the server's tp."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.launch.plan import ClusterSpec, kv_cache_token_bytes, make_plan
+    from megatron_rl.megatron_backend.models.architecture import model_dims
+
+    hf = json.loads((tiny_models[variant] / "config.json").read_text())
+    repo = Path(__file__).resolve().parents[2]
+    plan = make_plan(load_config(repo / "examples" / "tiny_moe_gspo.yaml"), hf, ClusterSpec(1, 1, 80))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models[variant])
+    assert plan.params["total"] == sum(p.numel() for p in model.parameters())
+    assert plan.params["experts"] == 2 * 16 * 3 * 32 * 16  # two MoE layers of 16 experts
+    dims = model_dims(hf)
+    assert kv_cache_token_bytes(dims, server_tp=1) == kv_cache_token_bytes(dims, server_tp=8) == 3 * (16 + 8) * 2
