@@ -43,6 +43,14 @@ MOONLIGHT = {
     "rope_theta": 50000.0, "rope_scaling": None, "max_position_embeddings": 8192,
 }  # fmt: skip
 
+KIMI_K2 = {
+    **DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072, "rope_theta": 50000.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -161,6 +169,10 @@ def test_published_configurations_translate() -> None:
     assert (moon["rope_type"], moon["rotary_base"], moon["q_lora_rank"]) == ("rope", 50000.0, None)
     assert "moe_router_num_groups" not in moon  # n_group=1: every expert can be chosen
     assert moon["moe_shared_expert_intermediate_size"] == 2 * 1408 and not moon["moe_shared_expert_gate"]
+    kimi = get_family(KIMI_K2).transformer_config_kwargs(KIMI_K2)
+    assert (kimi["rotary_scaling_factor"], kimi["beta_fast"], kimi["beta_slow"], kimi["rotary_base"]) == (32, 1, 1, 5e4)
+    assert kimi["num_moe_experts"] == 384 and kimi["moe_router_topk_scaling_factor"] == 2.827
+    assert "moe_router_num_groups" not in kimi
 
 
 @pytest.mark.parametrize(
