@@ -14,9 +14,9 @@ omits it (`Glm4MoeConfig.__post_init__`). That is Megatron's `rotary_percent` wi
 (`RotaryEmbedding` sizes `inv_freq` by `kv_channels * rotary_percent`, `_apply_rotary_pos_emb_bshd` rotates
 `t[..., :rot_dim]`).
 
-MTP: the released checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers stored as
-`model.layers.{num_hidden_layers + i}.*`; transformers does not build them and neither do we: they are reported as
-skipped on load and kept by the conversion round trip.
+MTP: the released checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers stored as DeepSeek-V3's
+(`model.layers.{num_hidden_layers + i}.*`, `deepseek_v3.mtp_layers`); transformers does not build them and neither
+do we: they are reported as skipped on load and kept by the conversion round trip.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_rl.megatron_backend.models import moe_decoder
+from megatron_rl.megatron_backend.models.deepseek_v3 import mtp_layers
 from megatron_rl.megatron_backend.models.family import (
     HFConfig,
     ModelDims,
@@ -146,15 +147,6 @@ def mappings(hf: HFConfig) -> list[Mapping]:
         ),
         Mapping(m + "shared_experts.linear_fc2.weight", (h + "shared_experts.down_proj.weight",), "moe"),
     ]
-
-
-def mtp_layers(hf: HFConfig) -> tuple[tuple[str, str], ...]:
-    """The checkpoint's multi-token-prediction layers, `model.layers.{num_hidden_layers + i}.*`: not built."""
-    first, count = int(hf["num_hidden_layers"]), int(hf.get("num_nextn_predict_layers") or 0)
-    if not count:
-        return ()
-    indices = "|".join(str(first + i) for i in range(count))
-    return ((rf"model\.layers\.({indices})\..+", "multi-token-prediction (MTP) layers, not part of the causal LM"),)
 
 
 FAMILY = register_family(
