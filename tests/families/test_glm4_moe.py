@@ -175,12 +175,6 @@ def test_rl_updates_keep_the_checkpoints_expert_bias(tmp_path: Path, capfd: pyte
         assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.round().abs().max() == 2, steps
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the launch planner counts a Qwen2-MoE shared-expert gate (hidden params) per MoE layer; GLM's shared "
-    "experts are ungated",
-)
 def test_planner_counts_glm_parameters(full_model: Path) -> None:
     """The launch planner's parameter count equals transformers' own model (partial RoPE, QKV biases, QK-norm, two
     shared experts, a dense first layer)."""
