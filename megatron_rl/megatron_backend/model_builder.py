@@ -64,6 +64,13 @@ def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptio
         # Router fusion (TE) silently bypasses RouterReplay; we never enable it.
         moe_router_fusion=False,
     )
+    expert_tp = layout.etp if layout.etp is not None else layout.tp
+    if kwargs.get("add_bias_linear") and kwargs.get("num_moe_experts") and expert_tp > 1:
+        raise ValueError(
+            f"this {family.model_type} model's experts have biases, which Megatron-Core supports only without "
+            f"tensor parallelism inside an expert, but the layout has expert TP {expert_tp} (parallel.etp defaults "
+            "to parallel.tp): set parallel.etp=1 (experts are then split by parallel.ep instead)"
+        )
     if kwargs.get("moe_router_enable_expert_bias"):
         kwargs.update(moe_router_bias_update_rate=options.expert_bias_update_rate)
     elif options.expert_bias_update_rate:

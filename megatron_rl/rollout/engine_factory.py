@@ -56,6 +56,9 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
 # `decoder_sparse_step` (its Qwen2/Qwen3-MoE decoder layers are sparse unconditionally), so a checkpoint with a
 # dense layer would be served as another model (tests/sglang/test_sglang_dense_layer_routes.py shows it).
 SGLANG_ALL_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+# SGLang 0.5.23's GPT-OSS experts use a fixed SwiGLU alpha (its `hidden_act_alpha` default), whatever config.json's
+# `swiglu_alpha` says.
+SGLANG_GPT_OSS_ALPHA = 1.702
 
 
 def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
@@ -64,8 +67,17 @@ def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
 
     from megatron_rl.megatron_backend.models.architecture import model_dims
 
-    dims = model_dims(json.loads((Path(model_dir) / "config.json").read_text()))
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    dims = model_dims(hf)
     dense = [i for i, moe in enumerate(dims.moe_layer_pattern) if not moe]
+    alpha = float(hf.get("swiglu_alpha", SGLANG_GPT_OSS_ALPHA))
+    if dims.model_type == "gpt_oss" and alpha != SGLANG_GPT_OSS_ALPHA:
+        raise ValueError(
+            f"rollout.engine=sglang cannot serve this gpt_oss model: its swiglu_alpha={alpha}, but SGLang 0.5.23 "
+            f"computes its experts with alpha {SGLANG_GPT_OSS_ALPHA} (models/gpt_oss.py reads `hidden_act_alpha`, "
+            "not `swiglu_alpha`), so it would generate with another model than the one trained; use "
+            "rollout.engine=local"
+        )
     if dims.model_type in SGLANG_ALL_MOE_FAMILIES and dense:
         raise ValueError(
             f"rollout.engine=sglang cannot serve this {dims.model_type} model: its layers {dense} are dense "

@@ -31,3 +31,16 @@ def test_expert_bias_is_frozen_unless_the_update_rate_is_set() -> None:
     qwen = AutoConfig.for_model("qwen3_moe").to_dict()
     with pytest.raises(ValueError, match=r"expert_bias_update_rate=0.001: this qwen3_moe model's routers have no"):
         transformer_config(qwen, ParallelLayout(), ModelOptions(expert_bias_update_rate=1e-3))
+
+
+@pytest.mark.usefixtures("bridged")
+def test_biased_experts_need_expert_tensor_parallelism_1() -> None:
+    """GPT-OSS: Megatron-Core supports expert biases only with expert TP 1; the error names parallel.etp."""
+    from transformers import AutoConfig
+
+    from megatron_rl.megatron_backend.model_builder import transformer_config
+
+    gpt_oss = AutoConfig.for_model("gpt_oss").to_dict()
+    with pytest.raises(ValueError, match=r"experts have biases.*expert TP 2.*set parallel.etp=1"):
+        transformer_config(gpt_oss, ParallelLayout(tp=2), ModelOptions())
+    assert transformer_config(gpt_oss, ParallelLayout(tp=2, etp=1), ModelOptions()).expert_tensor_parallel_size == 1

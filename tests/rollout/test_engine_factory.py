@@ -26,3 +26,18 @@ def test_sglang_refuses_a_qwen_moe_with_a_dense_layer_before_launching(tmp_path:
     with pytest.raises(ValueError, match=r"layers \[1\] are dense.*rollout.engine=local"):
         build_engine(cfg, model, torch.device("cpu"))
     assert not (tmp_path / "o").exists()  # refused before any server was launched
+
+
+def test_sglang_refuses_a_gpt_oss_whose_swiglu_alpha_it_would_ignore(tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoConfig
+
+    from megatron_rl.rollout.engine_factory import refuse_models_sglang_builds_differently
+
+    config = AutoConfig.for_model("gpt_oss").to_dict()  # the 20B-like default: swiglu_alpha 1.702, served as is
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refuse_models_sglang_builds_differently(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "swiglu_alpha": 1.3}))
+    with pytest.raises(ValueError, match=r"swiglu_alpha=1.3.*alpha 1.702.*rollout.engine=local"):
+        refuse_models_sglang_builds_differently(tmp_path)
