@@ -179,6 +179,7 @@ def test_published_configurations_translate() -> None:
     ("change", "match"),
     [
         ({"norm_topk_prob": False}, "norm_topk_prob=false with a sigmoid router"),
+        ({"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=1 and norm_topk_prob=true"),
         ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "type": "longrope"}}, "RoPE type 'longrope'"),
         ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "attention_factor": 1.2}}, "YaRN settings"),
         ({"num_experts_per_tok": 6}, r"num_experts_per_tok // topk_group = 1"),

@@ -8,7 +8,8 @@ scores of the chosen experts, renormalised (`norm_topk_prob`) and multiplied by 
 
 Megatron (`moe_utils.topk_routing_with_score_function`, score_function="sigmoid" with an expert bias) computes the
 same, with two differences the translation refuses rather than approximates:
-- it always renormalises the gates when top-k > 1, so `norm_topk_prob=false` is not expressible;
+- it renormalises the gates exactly when top-k > 1, so `norm_topk_prob=false` with top-k > 1 and
+  `norm_topk_prob=true` with top-1 (transformers' single gate is then 1) are not expressible;
 - its group score sums the top `topk // group_topk` scores of each group (`moe_utils.group_limited_topk`), HF's the
   top 2: equal only when `num_experts_per_tok // topk_group == 2` (DeepSeek-V3: 8 // 4).
 Megatron also moves `expert_bias` during training (`moe_router_bias_update_rate`, its default 1e-3,
@@ -51,11 +52,17 @@ def grouped_top_k(hf: HFConfig) -> tuple[int, int] | None:
 
 def sigmoid_router_kwargs(hf: HFConfig) -> dict[str, Any]:
     """Megatron `TransformerConfig` router kwargs of a DeepSeek-V3-style sigmoid router."""
-    if not hf.get("norm_topk_prob", True) and int(hf["num_experts_per_tok"]) > 1:
+    renormalise, top_k = bool(hf.get("norm_topk_prob", True)), int(hf["num_experts_per_tok"])
+    if not renormalise and top_k > 1:
         raise UnsupportedModelError(
             "norm_topk_prob=false with a sigmoid router: Megatron's sigmoid routing always renormalises the chosen "
             "experts' gates when num_experts_per_tok > 1 (moe_utils.topk_routing_with_score_function), so the "
             "model would be computed differently; only norm_topk_prob=true is supported"
+        )
+    if renormalise and top_k == 1:
+        raise UnsupportedModelError(
+            "num_experts_per_tok=1 and norm_topk_prob=true with a sigmoid router: transformers sets the single "
+            "gate to 1, Megatron's sigmoid routing keeps the sigmoid score for top-1"
         )
     kwargs: dict[str, Any] = dict(
         moe_router_score_function="sigmoid",
