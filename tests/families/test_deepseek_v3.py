@@ -18,7 +18,8 @@ import torch
 
 from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family
 from tests.families.family_checks import TOL_HF, check_conversion_round_trip, check_family
-from tests.families.tiny_deepseek_v3 import add_mtp_layer, build_tiny_deepseek_v3
+from tests.families.mtp_layer import add_mtp_layer
+from tests.families.tiny_deepseek_v3 import build_tiny_deepseek_v3
 
 # The published configurations (config.json as on the Hub, FP8 quantization_config left out: a BF16 copy).
 DEEPSEEK_V3 = {

@@ -5,7 +5,8 @@ Two models exercise every option the family translates: Multi-Latent Attention w
 far from the latent norms' fixed 1e-6 (Moonlight: 1e-5; 1e-2 makes a mix-up visible: 0.7 in log-prob); both with
 a dense first layer, v_head_dim != the query/key head width, a sigmoid router whose score-correction bias is non-zero,
 group-limited top-k (4 groups, 2 kept, top-4: 4 // 2 == 2 as Megatron requires), routed_scaling_factor 2.5 and
-a shared expert. The MTP layer a DeepSeek-V3 checkpoint may carry is added by `add_mtp_layer`.
+a shared expert. The MTP layer a DeepSeek-V3 checkpoint may carry is added by
+`tests/families/mtp_layer.add_mtp_layer`.
 """
 
 from __future__ import annotations
@@ -47,30 +48,3 @@ def build_tiny_deepseek_v3(path: Path, *, q_lora_rank: int | None, seed: int = 0
                 buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(path)
     return path
-
-
-def add_mtp_layer(model_dir: Path, out_dir: Path) -> Path:
-    """A copy of `model_dir` whose checkpoint also holds one multi-token-prediction layer, named as DeepSeek-V3's
-    (`model.layers.{num_hidden_layers}.`: its projections and norms, a decoder layer, its own head)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, out_dir)
-    tensors = load_file(out_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    last, mtp = f"model.layers.{SHAPES['num_hidden_layers'] - 1}.", f"model.layers.{SHAPES['num_hidden_layers']}."
-    extra = {
-        mtp + name[len(last) :]: torch.randn(t.shape, generator=gen)
-        for name, t in tensors.items()
-        if name.startswith(last)
-    }
-    hidden = SHAPES["hidden_size"]
-    for name, shape in {
-        "enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
-        "shared_head.norm.weight": (hidden,), "shared_head.head.weight": (SHAPES["vocab_size"], hidden),
-        "embed_tokens.weight": (SHAPES["vocab_size"], hidden),
-    }.items():  # fmt: skip
-        extra[mtp + name] = torch.randn(shape, generator=gen)
-    save_file({**tensors, **extra}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    return out_dir

@@ -95,8 +95,6 @@ def transformer_config_kwargs(hf: HFConfig) -> dict[str, Any]:
     kwargs = moe_decoder.decoder_transformer_config(hf, d)
     kwargs.update(mla.mla_config_kwargs(hf, d), **routers.sigmoid_router_kwargs(hf))
     kwargs.update(moe_shared_expert_gate=False)  # DeepSeek's shared experts are added ungated
-    if not d.shared_expert_ffn_hidden_size:
-        kwargs.pop("moe_shared_expert_intermediate_size", None)
     return kwargs
 
 
@@ -160,7 +158,7 @@ FAMILY = register_family(
                 "seq_aux",
                 "ep_size",
             }
-        ),  # fmt: skip
+        ),
         config_class="mla",
         layer_spec=mla.mla_layer_spec,
         unused_hf_tensors=mtp_layers,
