@@ -45,7 +45,7 @@ class ModelDims:
     num_query_groups: int = field(metadata={"hf_keys": ("num_key_value_heads",)})
     head_dim: int = field(metadata={"hf_keys": ("head_dim",)})  # Megatron's kv_channels
     max_position_embeddings: int = field(metadata={"hf_keys": ("max_position_embeddings",)})
-    num_experts: int = field(metadata={"hf_keys": ("num_experts", "num_local_experts")})
+    num_experts: int = field(metadata={"hf_keys": ("num_experts", "num_local_experts", "n_routed_experts")})
     top_k: int = field(metadata={"hf_keys": ("num_experts_per_tok",)})
     # 1 = MoE layer, 0 = dense layer, per global layer index
     moe_layer_pattern: tuple[int, ...]
@@ -55,8 +55,10 @@ class ModelDims:
     tie_word_embeddings: bool = field(default=False, metadata={"hf_keys": ("tie_word_embeddings",)})
     # HF softmaxes over all experts, then renormalises the top-k probabilities (Qwen `norm_topk_prob`)
     renormalize_top_k: bool = field(default=False, metadata={"hf_keys": ("norm_topk_prob",)})
-    shared_expert_ffn_hidden_size: int = field(default=0, metadata={"hf_keys": ("shared_expert_intermediate_size",)})
-    qk_layernorm: bool = False  # RMSNorm on each query and key head
+    shared_expert_ffn_hidden_size: int = field(
+        default=0, metadata={"hf_keys": ("shared_expert_intermediate_size", "n_shared_experts")}
+    )
+    qk_layernorm: bool = field(default=False, metadata={"hf_keys": ("use_qk_norm",)})  # RMSNorm per q/k head
     qkv_bias: bool = field(default=False, metadata={"hf_keys": ("qkv_bias", "attention_bias")})
     # Multi-Latent Attention (DeepSeek-V3): 0 = ordinary attention. The KV cache holds kv_lora_rank +
     # qk_rope_head_dim values per token and layer instead of 2 * num_query_groups * head_dim.
