@@ -81,4 +81,4 @@ def test_a_config_its_family_cannot_read_is_a_weight_mismatch() -> None:
     with pytest.raises(WeightMismatchError, match=r"^ckpt: config.json for model_type='qwen2_moe' lacks required"):
         check_same_architecture(QWEN2, incomplete, "ckpt")
     with pytest.raises(UnsupportedModelError, match="supported model types"):
-        model_dims({"model_type": "deepseek_v3"})
+        model_dims({"model_type": "llama"})
