@@ -153,6 +153,8 @@ def prepare_megatron_import(device_type: str | None = None) -> str:
     """
     _filter_known_backend_warnings()
     version = check_megatron_version(device_type=device_type)
+    if (device_type or ("cpu" if _on_cpu() else "cuda")) == "cpu":
+        _eager_jit_fuser()
     if not version.startswith("0.19."):
         return version
     if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
@@ -164,6 +166,28 @@ def prepare_megatron_import(device_type: str | None = None) -> str:
     stub.paged_stash_pop_kernel = None
     sys.modules[_PAGED_STASH_OPS] = stub
     return version
+
+
+_JIT = "megatron.core.jit"
+
+
+def _noop_decorator(func: Any) -> Any:
+    return func
+
+
+def _eager_jit_fuser() -> None:
+    """CPU: Megatron's `jit_fuser` (`megatron/core/jit.py`) is `torch.compile` on torch >= 2.2, applied at import
+    to its fused GPU kernels (bias-GeLU/SwiGLU, the router's expert-bias count, ...): importing it loads inductor
+    (~1.4 s of every process's start) and each decorated function is compiled with a C++ toolchain at its first
+    call. Before Megatron is imported, register that module with the no-op Megatron itself falls back to
+    (`noop_decorator`, what `disable_jit_fuser` sets), so those functions run eagerly, with the same math."""
+    if _JIT in sys.modules or "megatron.core" in sys.modules:
+        return
+    stub: Any = types.ModuleType(_JIT)
+    stub.__doc__ = "megatron_rl stub on CPU: jit_fuser is Megatron's noop_decorator (no torch.compile)."
+    stub.noop_decorator = stub.jit_fuser = _noop_decorator
+    stub.enable_jit_fuser = stub.disable_jit_fuser = lambda: None
+    sys.modules[_JIT] = stub
 
 
 # --------------------------------------------------------------------------------------

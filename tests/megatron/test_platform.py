@@ -108,6 +108,24 @@ def test_no_process_wide_torch_function_mode() -> None:
     assert torch.zeros(3).type() == "torch.FloatTensor"
 
 
+def test_megatron_jit_fuser_is_eager_on_cpu() -> None:
+    """A fresh process: after `prepare_megatron_import`, Megatron's fused functions are plain functions, not
+    torch.compile wrappers (on 0.16.1 inductor is then never imported, ~1.4 s of every start; 0.19.2 imports it
+    elsewhere); the GPU keeps Megatron's own."""
+    import subprocess
+
+    code = (
+        "from megatron_rl.megatron_backend import platform\n"
+        "platform.prepare_megatron_import()\n"
+        "import megatron.core.models.gpt\n"
+        "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
+        "from megatron.core.jit import jit_fuser\n"
+        "print(jit_fuser(len) is len, type(bias_swiglu).__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "function"], out.stdout + out.stderr[-2000:]
+
+
 def test_device_literals_in_bridged_megatron_modules_go_to_cpu() -> None:
     platform.bridge_cpu()
     from megatron.core.pipeline_parallel import schedules
