@@ -49,10 +49,13 @@ class HFWeightTarget:
 
 
 class HFWeightLoader:
-    """Resolves and copies HF-named tensors into `model`'s parameters (strict: unknown name or shape raises)."""
+    """Resolves and copies HF-named tensors into `model`'s parameters and the buffers its checkpoints hold (a
+    router's `e_score_correction_bias`); strict: an unknown name or shape raises."""
 
     def __init__(self, model: nn.Module):
-        self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        saved = model.state_dict(keep_vars=True)  # persistent buffers only (not RoPE's inv_freq)
+        self.params.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in saved)
 
     def resolve(self, name: str) -> HFWeightTarget:
         if name in self.params:
