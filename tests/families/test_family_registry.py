@@ -72,6 +72,9 @@ def test_transformer_engine_names_translate_to_local_names() -> None:
         canonical_name("decoder.layers.3.mlp.linear_fc1.layer_norm_weight")
         == "decoder.layers.3.pre_mlp_layernorm.weight"
     )
+    assert canonical_name("decoder.layers.3.self_attention.linear_kv_up_proj.layer_norm_weight") == (
+        "decoder.layers.3.self_attention.kv_layernorm.weight"
+    )
 
 
 def test_qkv_mapping_groups_queries_with_their_key_and_value() -> None:

@@ -173,11 +173,10 @@ def test_planner_counts_the_architecture_its_model_family_describes() -> None:
 
 
 def test_a_model_no_family_builds_is_refused_not_planned_as_dense() -> None:
-    deepseek_v3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-                   "num_attention_heads": 128, "vocab_size": 129280, "n_routed_experts": 256,
-                   "first_k_dense_replace": 3, "moe_layer_freq": 1}  # fmt: skip
-    with pytest.raises(PlanError, match=r"impossible plan:\n  - unsupported architecture: .*model_type='deepseek_v3'"):
-        make_plan(_cfg("tiny_moe_gspo.yaml"), deepseek_v3, ClusterSpec(1, 8, 80))
+    qwen3_next = {"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48,
+                  "num_attention_heads": 16, "vocab_size": 151936, "num_experts": 512}  # fmt: skip
+    with pytest.raises(PlanError, match=r"impossible plan:\n  - unsupported architecture: .*model_type='qwen3_next'"):
+        make_plan(_cfg("tiny_moe_gspo.yaml"), qwen3_next, ClusterSpec(1, 8, 80))
 
 
 def test_planner_proposes_uneven_stages_when_the_layers_do_not_divide_by_pp() -> None:

@@ -23,6 +23,9 @@ LAYER, EXPERT = "{layer}", "{expert}"
 TE_ALIASES = (
     (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
     (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+    # Multi-Latent Attention: TE fuses the query and KV latent norms into the up projections.
+    (".self_attention.linear_q_up_proj.layer_norm_weight", ".self_attention.q_layernorm.weight"),
+    (".self_attention.linear_kv_up_proj.layer_norm_weight", ".self_attention.kv_layernorm.weight"),
 )
 
 
