@@ -273,3 +273,22 @@ def test_null_log_prob_from_the_server_is_a_clear_error() -> None:
     }
     with pytest.raises(SGLangServerError, match="null \\(NaN\\) log-prob"):
         engine._to_sample([1, 2], item, 0, False)
+
+
+def test_deepseek_v3_routes_keep_the_layers_after_the_first_k_dense(sglang_contract_fake_url, tmp_path):
+    """DeepSeek-V3 (and GLM-4.5): SGLang sends a column for each of the `first_k_dense_replace` dense layers too;
+    the engine keeps the MoE layers' columns, per the family's own layer pattern."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=2,
+        n_group=1, topk_group=1,
+    ).to_dict()  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    SGLangHTTPContractFake.model_path = str(tmp_path)
+    routes = SGLangEngine([sglang_contract_fake_url]).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=2), return_routed_experts=True
+    )[0]
+    sent = np.arange(4 * 3 * 2).reshape(4, 3, 2) % 8  # the fake's every-layer ids
+    assert routes.routed_experts.shape == (4, 2, 2)
+    np.testing.assert_array_equal(routes.routed_experts, sent[:, [1, 2]])
