@@ -14,6 +14,7 @@ those GPUs) and disaggregated (`trainer.colocate=false`: the first nodes train, 
 
 from __future__ import annotations
 
+import itertools
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -301,8 +302,14 @@ def _memory(
     tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
     dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
     per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
-    dense = max(per_layer_dense) * per_stage / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
-    experts = max(per_layer_expert) * per_stage / (ep * etp)
+    # The heaviest stage's own layers (a dense first layer, GLM-4.5's 10944-wide MLP, is not every layer's).
+    sizes = list(layout.stage_layers) if layout and layout.stage_layers else [per_stage] * pp
+    bounds = list(itertools.accumulate(sizes))
+    stages = [range(min(end - n, d.num_layers), min(end, d.num_layers)) for n, end in zip(sizes, bounds, strict=True)]
+    dense_layers = max(sum(per_layer_dense[i] for i in stage) for stage in stages)
+    expert_layers = max(sum(per_layer_expert[i] for i in stage) for stage in stages)
+    dense = dense_layers / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
+    experts = expert_layers / (ep * etp)
     bf16 = cfg.model.options.dtype == "bf16"
     weights = (dense + experts) * (2 if bf16 else 4)
     grads = (dense + experts) * 4
