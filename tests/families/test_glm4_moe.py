@@ -192,8 +192,8 @@ def test_planner_counts_glm_parameters(full_model: Path) -> None:
 
 def test_the_air_example_plan_holds_its_header_numbers() -> None:
     """examples/glm45_air_gspo.yaml on 4 nodes of 8x H200 plans what its header says: 106.85 B parameters (99.66 B
-    in experts, 13.42 B active), 92.6 GiB per GPU of 136 (the dense first layer counted once, not per layer), 23.0 KiB of KV cache per token and GPU (46 layers x K,V
-    x 1 KV head x 128 x 2 B)."""
+    in experts, 13.42 B active), 92.6 GiB per GPU of 136 (the dense first layer counted once, not per layer),
+    23.0 KiB of KV cache per token and GPU (46 layers x K,V x 1 KV head x 128 x 2 B)."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.launch.plan import ClusterSpec, make_plan
 
