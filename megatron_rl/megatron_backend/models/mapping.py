@@ -153,17 +153,23 @@ class WeightMap:
     tie_word_embeddings: bool = False
     _patterns: list[tuple[re.Pattern[str], Mapping]] = field(init=False, repr=False)
     _hf_names: set[str] | None = field(default=None, init=False, repr=False)
+    _layer_sets: dict[str, list[int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._patterns = [(_pattern(m.megatron), m) for m in self.mappings]
+        pattern = self.moe_layer_pattern
+        self._layer_sets = {
+            "all": list(range(len(pattern))),
+            "moe": [i for i, moe in enumerate(pattern) if moe],
+            "dense": [i for i, moe in enumerate(pattern) if not moe],
+        }
         if self.tie_word_embeddings:
             embedding = next(m for m in self.mappings if m.megatron == "embedding.word_embeddings.weight")
             tied = Mapping("output_layer.weight", embedding.hf, vocab_padded=True)
             self._patterns.append((_pattern(tied.megatron), tied))
 
     def _layers(self, mapping: Mapping) -> list[int]:
-        want = {"all": None, "moe": 1, "dense": 0}[mapping.layers]
-        return [i for i, moe in enumerate(self.moe_layer_pattern) if want is None or moe == want]
+        return self._layer_sets[mapping.layers]
 
     def _resolve(self, mapping: Mapping, layer: int | None, expert: int | None) -> WeightRule:
         def fill(pattern: str) -> str:
@@ -183,7 +189,10 @@ class WeightMap:
             groups = match.groupdict()
             layer = int(groups["layer"]) if groups.get("layer") is not None else None
             expert = int(groups["e"]) if groups.get("e") is not None else None
-            if layer is not None and layer not in self._layers(mapping):
+            if layer is not None and not (
+                layer < len(self.moe_layer_pattern)
+                and (mapping.layers == "all" or self.moe_layer_pattern[layer] == (mapping.layers == "moe"))
+            ):
                 continue
             if expert is not None and expert >= self.num_experts:
                 continue
