@@ -156,7 +156,9 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         deadline = time.monotonic() + 600
         while not (metrics.exists() and metrics.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the run ended or stalled before step 1:\n{proc.communicate()[0][-6000:]}")
             time.sleep(0.5)
         pids = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"], capture_output=True, text=True)
         pid = int(pids.stdout.split()[0])
