@@ -134,9 +134,8 @@ class ModelFamily:
     supports: str = ""  # one line for `megatron-rl models`
 
     def check_keys(self, hf: HFConfig) -> None:
-        unknown = sorted(
-            k for k in hf if not k.startswith("_") and k not in METADATA_KEYS | COMMON_KEYS | self.config_keys
-        )
+        known = METADATA_KEYS | COMMON_KEYS | self.config_keys  # once per call, not once per key
+        unknown = sorted(k for k in hf if not k.startswith("_") and k not in known)
         if unknown:
             raise UnsupportedModelError(
                 f"config.json (model_type={self.model_type!r}) has fields this project does not translate: {unknown}; "
