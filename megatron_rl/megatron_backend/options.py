@@ -45,6 +45,22 @@ class ModelOptions:
             "unchunked reference"
         },
     )
+    experts: Literal["auto", "sequential", "grouped"] = field(
+        default="auto",
+        metadata={
+            "help": "how a MoE layer's local experts compute: sequential = one small GEMM pair per expert "
+            "(Megatron's SequentialMLP); grouped = all experts in one grouped computation with the same parameters; "
+            "auto = grouped where it is supported"
+        },
+    )
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "pack samples into micro-batches by token budget without padding between them (THD with "
+            "cu_seqlens on Transformer Engine; a block-diagonal causal mask on the local spec); false = the padded "
+            "layout, one sample per row"
+        },
+    )
     seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
 
 
@@ -63,3 +79,30 @@ class OptimizerOptions:
     adam_eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
     clip_grad: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0 = off)"})
     distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state over DP ranks"})
+    cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the optimizer state and fp32 main parameters in host memory and step there (Megatron's "
+            "hybrid device optimizer, --optimizer-cpu-offload); needs the distributed optimizer"
+        },
+    )
+    offload_fraction: float = field(
+        default=1.0, metadata={"help": "with cpu_offload: the share of the optimizer state kept on the host"}
+    )
+    overlap_offload_transfers: bool = field(
+        default=True,
+        metadata={"help": "with cpu_offload: overlap the device-to-host gradient and host-to-device parameter copies"},
+    )
+    precision_aware: bool = field(
+        default=False,
+        metadata={
+            "help": "Megatron's precision-aware optimizer: main parameters and Adam moments in the dtypes below "
+            "(--use-precision-aware-optimizer)"
+        },
+    )
+    main_params_dtype: Literal["fp32", "fp16"] = field(
+        default="fp32", metadata={"help": "with precision_aware: dtype of the main (master) parameters"}
+    )
+    moments_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = field(
+        default="fp32", metadata={"help": "with precision_aware: dtype of Adam's first and second moments"}
+    )

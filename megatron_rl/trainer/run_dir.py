@@ -37,6 +37,11 @@ RESUMABLE_CHANGES = (
     "trainer.on_nonfinite",
     "trainer.micro_batch_tokens",
     "trainer.offload_actor",
+    "model.options.experts",  # how the same numbers are computed (up to rounding), not which
+    "model.options.packing",
+    "optimizer.cpu_offload",
+    "optimizer.offload_fraction",
+    "optimizer.overlap_offload_transfers",
     "logging",
     "parallel",
     "rollout.sglang",
@@ -50,7 +55,12 @@ RESUMABLE_CHANGES = (
 
 # Keys added to the config after runs were started, with the default that computes what those runs computed: at
 # that value they do not count toward the run's identity, so such a run still resumes.
-ADDED_LATER = {"model.options.expert_bias_update_rate": 0.0}
+ADDED_LATER = {
+    "model.options.expert_bias_update_rate": 0.0,
+    "optimizer.precision_aware": False,
+    "optimizer.main_params_dtype": "fp32",
+    "optimizer.moments_dtype": "fp32",
+}
 
 
 class RunDirError(ValueError):
