@@ -16,6 +16,7 @@ from torch import nn
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
 from megatron_rl.megatron_backend.options import ModelOptions
+from megatron_rl.megatron_backend.packed_attention import with_packed_local_attention
 from megatron_rl.routing.compat import refuse_unsafe_replay_options
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ def build_model(
             spec = get_gpt_decoder_block_spec(
                 config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
             )
+        if options.packing and not te:
+            spec = with_packed_local_attention(spec)  # THD on the local spec (TE attention takes it natively)
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPTModel(
                 config=config,
