@@ -53,13 +53,7 @@ def balanced_partition(
         raise ValueError(f"parts={parts} must be >= 1")
     if method not in ("best", "kk", "greedy"):
         raise ValueError(f"method={method!r}: use 'best', 'kk' or 'greedy'")
-    costs = sample_costs(lengths, alpha)
-    candidates = []
-    if method in ("best", "kk"):
-        candidates.append(_karmarkar_karp(costs, parts, equal_size))
-    if method in ("best", "greedy"):
-        candidates.append(_largest_first(costs, parts, equal_size))
-    return _canonical(min(candidates, key=lambda groups: max(sum(costs[i] for i in g) for g in groups)))
+    return _canonical(_partition(sample_costs(lengths, alpha), parts, equal_size, method))
 
 
 def round_robin_partition(size: int, parts: int) -> list[list[int]]:
@@ -77,35 +71,72 @@ def imbalance(lengths: Sequence[int], partition: Sequence[Sequence[int]]) -> flo
 def split_micro_batches(
     lengths: Sequence[int], max_tokens: int, min_count: int = 1, *, alpha: float = 0.0, method: Method = "best"
 ) -> list[list[int]]:
-    """One rank's samples packed into micro-batches of at most `max_tokens` tokens, at least `min_count` of them.
+    """One rank's samples packed into micro-batches of at most `max_tokens` tokens: exactly
+    max(`min_count`, m) of them, m being the count without `min_count`.
 
-    A sample longer than `max_tokens` gets a micro-batch of its own. The others go into the smallest number m of
-    micro-batches (>= `min_count` less the long samples) that one of three fits into the budget: the balanced
-    partition (`method`), worst-fit decreasing (each sample, longest first, to the lightest micro-batch it fits
-    in) or first-fit decreasing (to the first it fits in: the tightest packer of the three, so the count is
-    never above its count); of those that fit, the one with the lighter heaviest micro-batch. When `min_count`
-    exceeds the number of samples, the extra micro-batches are empty (the caller pads them with a dummy row).
-    Lists are ascending, ordered by first index, empty ones last."""
+    A sample longer than `max_tokens` gets a micro-batch of its own. The others go into the smallest number of
+    micro-batches that one of three fits into the budget: the balanced partition (`method`), worst-fit
+    decreasing (each sample, longest first, to the lightest micro-batch it fits in) or first-fit decreasing (to
+    the first it fits in: the tightest packer of the three, so m is never above its count); of those that fit,
+    the one with the lighter heaviest micro-batch. A larger `min_count` (every data-parallel rank must run as
+    many micro-batches) is met the same way, or if none fits, by halving the heaviest micro-batches. When
+    `min_count` exceeds the number of samples, the extra micro-batches are empty (the caller pads them with a
+    dummy row). Lists are ascending, ordered by first index, empty ones last."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     alone = [i for i, n in enumerate(lengths) if n > max_tokens]
     rest = [i for i, n in enumerate(lengths) if n <= max_tokens]
     tokens = [lengths[i] for i in rest]
     costs = sample_costs(tokens, alpha)
-    count = max(min_count - len(alone), -(-sum(tokens) // max_tokens), 1 if rest else 0)
+    count = -(-sum(tokens) // max_tokens)
     groups: list[list[int]] = []
     while count:  # terminates: with one micro-batch per sample every candidate fits
-        balanced = balanced_partition(tokens, count, equal_size=False, alpha=alpha, method=method)
-        fits = [g for g in (_decreasing_fit(tokens, costs, count, max_tokens, w) for w in (True, False)) if g]
-        if all(sum(tokens[j] for j in part) <= max_tokens for part in balanced):
-            fits.insert(0, balanced)
-        if fits:
-            groups = min(fits, key=lambda g: max(sum(costs[j] for j in part) for part in g))
+        fit = _best_fit(tokens, costs, count, max_tokens, method)
+        if fit is not None:
+            groups = fit
             break
         count += 1
-    batches = [[rest[j] for j in g] for g in groups] + [[i] for i in alone]
-    batches += [[] for _ in range(min_count - len(batches))]
-    return _canonical(batches)
+    wanted = min_count - len(alone)
+    if wanted > len(groups):
+        groups = _best_fit(tokens, costs, wanted, max_tokens, method) or _halve_heaviest(groups, costs, wanted)
+    return _canonical([[rest[j] for j in g] for g in groups] + [[i] for i in alone])
+
+
+def _best_fit(
+    tokens: list[int], costs: list[float], count: int, max_tokens: int, method: Method
+) -> list[list[int]] | None:
+    """Of the balanced partition and the two decreasing fits into `count` micro-batches, the one within the budget
+    whose heaviest micro-batch is lightest; None if none is within it."""
+    fits = [g for g in (_decreasing_fit(tokens, costs, count, max_tokens, w) for w in (True, False)) if g]
+    balanced = _partition(costs, count, False, method)
+    if all(sum(tokens[j] for j in part) <= max_tokens for part in balanced):
+        fits.insert(0, balanced)
+    return min(fits, key=lambda g: max(sum(costs[j] for j in part) for part in g)) if fits else None
+
+
+def _halve_heaviest(groups: list[list[int]], costs: list[float], count: int) -> list[list[int]]:
+    """Split the heaviest micro-batch of two or more samples in two (balanced) until there are `count`; empty
+    micro-batches once every one holds a single sample. Halving never breaks the budget."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            groups.append([])
+            continue
+        heaviest = max(splittable, key=lambda g: (sum(costs[j] for j in g), -g[0]))
+        groups.remove(heaviest)
+        halves = _partition([costs[j] for j in heaviest], 2, False, "best")
+        groups += [[heaviest[j] for j in h] for h in halves]
+    return groups
+
+
+def _partition(costs: list[float], parts: int, equal_size: bool, method: Method) -> list[list[int]]:
+    candidates = []
+    if method in ("best", "kk"):
+        candidates.append(_karmarkar_karp(costs, parts, equal_size))
+    if method in ("best", "greedy"):
+        candidates.append(_largest_first(costs, parts, equal_size))
+    return min(candidates, key=lambda groups: max(sum(costs[i] for i in g) for g in groups))
 
 
 def _decreasing_fit(

@@ -144,3 +144,25 @@ def _first_fit_decreasing(lengths: list[int], budget: int) -> int:
         else:
             bins.append(n)
     return len(bins)
+
+
+def test_micro_batch_count_is_exactly_the_larger_of_min_count_and_the_minimum() -> None:
+    """The data-parallel ranks agree on max(count) and ask each other for it: each must then return exactly it."""
+    for seed, budget in itertools.product(range(4), (300, 1000, 2048, 5000)):
+        lengths = _lognormal(24, seed)
+        minimum = len(split_micro_batches(lengths, budget))
+        for min_count in range(1, 28):
+            groups = split_micro_batches(lengths, budget, min_count)
+            assert len(groups) == max(min_count, minimum), (seed, budget, min_count)
+            assert sorted(itertools.chain(*groups)) == list(range(24))
+            assert all(sum(lengths[i] for i in g) <= budget or len(g) == 1 for g in groups)
+
+
+def test_halving_fallback_keeps_the_budget() -> None:
+    """The fallback for a `min_count` no fit reaches (not met on any random case tried): halve the heaviest
+    micro-batch of two or more samples, then add empty ones."""
+    from megatron_rl.megatron_backend.balance import _halve_heaviest
+
+    costs = [5.0, 4.0, 3.0, 2.0, 9.0]
+    assert _halve_heaviest([[0, 1, 2, 3], [4]], costs, 3) == [[4], [0, 3], [1, 2]]
+    assert _halve_heaviest([[0], [4]], costs, 3) == [[0], [4], []]
