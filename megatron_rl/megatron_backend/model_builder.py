@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
+from megatron_rl.megatron_backend.models.grouped_experts import grouped_unsupported_reason, with_grouped_experts
 from megatron_rl.megatron_backend.options import ModelOptions
 from megatron_rl.megatron_backend.packed_attention import with_packed_local_attention
 from megatron_rl.routing.compat import refuse_unsafe_replay_options
@@ -42,6 +43,29 @@ def use_transformer_engine(options: ModelOptions) -> bool:
         require("transformer_engine.pytorch")
         raise RuntimeError("layer_spec='te' needs a CUDA device; use layer_spec='local' on CPU")
     return te_ok
+
+
+def use_grouped_experts(config: object, options: ModelOptions, te: bool) -> bool:
+    """Whether the local spec's MoE experts compute as one grouped GEMM per projection (`models/grouped_experts.py`)
+    instead of Megatron's per-expert loop: `model.options.experts`, where "auto" groups whenever the config allows
+    it (bitwise the same outputs and gradients, fewer Python-level kernel launches). With Transformer Engine the TE
+    spec's experts are kept as they are."""
+    if options.experts == "sequential" or not getattr(config, "num_moe_experts", None):
+        return False
+    if te:
+        if options.experts == "grouped":
+            raise ValueError(
+                "model.options.experts=grouped groups the local spec's experts; with the Transformer Engine spec "
+                "(model.options.layer_spec) use model.options.experts=auto"
+            )
+        return False
+    reason = grouped_unsupported_reason(config)
+    if reason is not None and options.experts == "grouped":
+        raise ValueError(
+            f"model.options.experts=grouped is not supported with {reason}; use model.options.experts=sequential "
+            "or auto"
+        )
+    return reason is None
 
 
 def transformer_config(hf: HFConfig, layout: ParallelLayout, options: ModelOptions):
@@ -111,6 +135,7 @@ def build_model(
     family: ModelFamily = get_family(hf)
     config = transformer_config(hf, layout, options)
     te = use_transformer_engine(options)
+    grouped = use_grouped_experts(config, options, te)
     model_parallel_cuda_manual_seed(options.seed)
     vocab = padded_vocab_size(family.dims(hf).vocab_size, layout.tp)
     chunks: list[nn.Module] = []
@@ -123,6 +148,8 @@ def build_model(
             spec = get_gpt_decoder_block_spec(
                 config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
             )
+        if grouped:
+            spec = with_grouped_experts(spec)
         if options.packing and not te:
             spec = with_packed_local_attention(spec)  # THD on the local spec (TE attention takes it natively)
         with torch.device("meta") if meta else contextlib.nullcontext():

@@ -1,0 +1,149 @@
+"""The local spec's MoE experts computed all at once: Megatron's `SequentialMLP` with a grouped forward.
+
+Megatron-Core's local spec builds a MoE layer's experts as `SequentialMLP` (transformer/moe/experts.py): one
+`MLP` per local expert, run in a Python loop over the expert's slice of the permuted tokens. On CPU, at the
+sizes RL fine-tuning runs there, that loop is a third of the forward-backward (docs/performance.md §11).
+`grouped_mlp_class()` is the same module -- a subclass with exactly its parameters, names and
+`sharded_state_dict`, so checkpoints, HF conversion, weight sync and the families' mappings do not change --
+whose forward runs each projection of all local experts as one `torch._grouped_mm` over the token groups, the
+kernel transformers 5 uses for its MoE experts (`integrations/moe.py`). On CPU it computes each group with the
+same matmul as the per-expert loop, so the outputs and gradients are bitwise those of `SequentialMLP`
+(tests/megatron/test_grouped_experts.py).
+
+The forward is `MLP.forward` (transformer/mlp.py, megatron-core 0.16 and 0.19 alike) on the unfused path:
+fc1 (+ bias), the gated linear unit with the config's activation, clamp and linear offset (or the plain
+activation), the per-token routing probability, fc2, and fc2's bias scaled by that probability. The experts'
+linear layers communicate nothing whatever the layout (with expert TP or EP > 1 they are `explicit_expert_comm`,
+the token dispatcher moves the tokens; otherwise their groups are of one rank), so the same local matmuls hold
+under expert tensor and expert parallelism. What that path does not cover -- the fused bias-activation kernels,
+Transformer Engine's activation module, FP8/FP4 padding, delayed weight-gradient computation -- is refused by
+`grouped_unsupported_reason`, and `model.options.experts=auto` then keeps `SequentialMLP`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+
+def grouped_unsupported_reason(config: Any) -> str | None:
+    """Why the grouped experts cannot compute what `SequentialMLP` computes for this `TransformerConfig`, or
+    None when they can."""
+    for flag in ("bias_activation_fusion", "use_te_activation_func", "fp8", "fp4", "delay_wgrad_compute"):
+        if getattr(config, flag, None):
+            return f"{flag}={getattr(config, flag)!r} (only the unfused MLP path is grouped)"
+    return None
+
+
+@functools.cache
+def grouped_mlp_class() -> type:
+    """`GroupedSequentialMLP`, built on first use (Megatron is imported lazily)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GroupedSequentialMLP(SequentialMLP):
+        """`SequentialMLP` whose forward computes all local experts at once (module docstring)."""
+
+        def forward(
+            self,
+            permuted_local_hidden_states: torch.Tensor,
+            tokens_per_expert: torch.Tensor,
+            permuted_probs: torch.Tensor,
+        ) -> tuple[torch.Tensor, None]:
+            """Outputs of the tokens, grouped by expert as `tokens_per_expert` says; no separate bias."""
+            config = self.config
+            hidden, probs = permuted_local_hidden_states, permuted_probs
+            if config.moe_apply_probs_on_input:  # as SequentialMLP.forward: scale the input, not the output
+                assert config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+                hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+                probs = torch.ones_like(probs)
+            counts = torch.as_tensor(tokens_per_expert, device=hidden.device)
+            fc1 = [expert.linear_fc1 for expert in self.local_experts]
+            fc2 = [expert.linear_fc2 for expert in self.local_experts]
+
+            inter = _grouped_linear(hidden, counts, [m.weight for m in fc1])
+            if fc1[0].bias is not None:
+                inter = inter + _per_token(torch.stack([m.bias for m in fc1]), counts, inter.shape[0])
+            if config.gated_linear_unit:
+                x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
+                if (val := config.activation_func_clamp_value) is not None:
+                    x_glu = x_glu.clamp(min=None, max=val)
+                    x_linear = x_linear.clamp(min=-val, max=val)
+                inter = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+            else:
+                inter = config.activation_func(inter)
+            inter = (inter * probs.unsqueeze(-1)).to(inter.dtype)
+
+            output = _grouped_linear(inter, counts, [m.weight for m in fc2])
+            if fc2[0].bias is not None:
+                bias = _per_token(torch.stack([m.bias for m in fc2]), counts, output.shape[0])
+                output = output + bias * probs.unsqueeze(-1)
+            return output, None
+
+    return GroupedSequentialMLP
+
+
+def with_grouped_experts(block: Any) -> Any:
+    """A copy of a decoder block spec whose MoE layers build `grouped_mlp_class()` where they built
+    `SequentialMLP` (the local spec). Specs are `ModuleSpec`s, or on megatron-core 0.19 `functools.partial`s of
+    the module class; both are rebuilt, never edited (Megatron shares them between layers)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def swap_experts(spec: Any) -> Any:
+        if _module(spec) is SequentialMLP:
+            return _rebuilt(spec, module=grouped_mlp_class())
+        submodules = _submodules(spec)
+        for name in ("mlp", "experts"):
+            child = getattr(submodules, name, None)
+            if child is not None and (new := swap_experts(child)) is not child:
+                return _rebuilt(spec, submodules=dataclasses.replace(submodules, **{name: new}))
+        return spec
+
+    return dataclasses.replace(block, layer_specs=[swap_experts(layer) for layer in block.layer_specs])
+
+
+def _module(spec: Any) -> Any:
+    """The class a spec builds: a `ModuleSpec`'s `module`, a `functools.partial`'s function."""
+    return spec.func if isinstance(spec, functools.partial) else getattr(spec, "module", None)
+
+
+def _submodules(spec: Any) -> Any:
+    """A spec's submodules: a `ModuleSpec`'s field, a `functools.partial`'s `submodules` keyword."""
+    return spec.keywords.get("submodules") if isinstance(spec, functools.partial) else getattr(spec, "submodules", None)
+
+
+def _rebuilt(spec: Any, *, module: Any = None, submodules: Any = None) -> Any:
+    """A copy of `spec` building `module` and/or with `submodules` (None: unchanged)."""
+    if isinstance(spec, functools.partial):
+        keywords = spec.keywords if submodules is None else {**spec.keywords, "submodules": submodules}
+        return functools.partial(module or spec.func, *spec.args, **keywords)
+    changes = {"module": module, "submodules": submodules}
+    return dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+
+
+# Above this many elements per expert weight, copying the experts' weights into one stacked tensor per call
+# costs more than the per-expert kernel launches it saves (measured on CPU, one thread, fp32, forward plus
+# backward of the experts: hidden 64 / ffn 32 (4,096-element fc1) grouped 0.9 ms vs loop 1.1 ms; hidden 256 /
+# ffn 128 (65,536) 14.5 vs 15.1 ms; hidden 512 / ffn 256 (262,144) 139 vs 105 ms; hidden 1024 / ffn 512
+# 872 vs 531 ms; SequentialMLP 2.6 / 17.9 / 111 / 594 ms).
+STACK_MAX_NUMEL = 1 << 16
+
+
+def _grouped_linear(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """`x @ W_e.T` for each expert e's group of rows of `x` (`counts[e]` rows each, in expert order).
+
+    Small weights: one `torch._grouped_mm` over the stacked weights. Large ones: a loop of plain matmuls (no
+    copy of the weights; still none of `SequentialMLP`'s per-expert module, autograd-Function and split
+    overhead). Both compute each group with the matmul `SequentialMLP`'s linear layers use, bitwise."""
+    if weights[0].numel() <= STACK_MAX_NUMEL:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+    groups = x.split(counts.tolist())
+    return torch.cat([torch.nn.functional.linear(group, w) for group, w in zip(groups, weights, strict=True)])
+
+
+def _per_token(per_expert: torch.Tensor, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each token's row of a per-expert tensor (`[experts, ...]`), tokens grouped by expert."""
+    return per_expert.repeat_interleave(counts, dim=0, output_size=num_tokens)
