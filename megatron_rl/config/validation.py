@@ -284,6 +284,7 @@ def _check_optimizer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None
         errors.append(f"model.options.aux_loss_coeff={cfg.model.options.aux_loss_coeff} must be >= 0")
     if cfg.model.options.expert_bias_update_rate < 0:
         errors.append(f"model.options.expert_bias_update_rate={cfg.model.options.expert_bias_update_rate} must be >= 0")
+    _check_optimizer_memory(cfg, errors, notes)
     updates = cfg.trainer.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches_per_step
     if opt.lr_schedule != "constant" and opt.total_steps != updates:
         notes.append(
@@ -291,3 +292,64 @@ def _check_optimizer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None
             f"algo.ppo_epochs * algo.mini_batches_per_step = {updates}, so the {opt.lr_schedule} decay "
             + ("does not finish" if opt.total_steps > updates else "ends early")
         )
+
+
+def _check_optimizer_memory(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    """CPU offload and the precision-aware optimizer: the combinations Megatron-Core (0.16 and 0.19) can run.
+
+    Found in its code: `OptimizerConfig.__post_init__` asserts the distributed optimizer and fp32 dtypes without
+    the precision-aware optimizer; the `HybridDeviceOptimizer` steps torch's AdamW on fp32 host copies
+    (`param_update_in_fp32`) and cannot take an fp32 model's parameter shards (views of the parameters: torch
+    refuses a non-leaf tensor); without the precision-aware optimizer the distributed optimizer keeps its fp32
+    main shards on the GPU and `reload_model_params` does not refresh their host copies after the weights are
+    loaded. Transformer Engine and CUDA are checked where the optimizer is built (`training_setup`): a config
+    may be planned on a machine without them."""
+    opt, dtype = cfg.optimizer, cfg.model.options.dtype
+    if opt.cpu_offload:
+        if not opt.distributed_optimizer:
+            errors.append(
+                "optimizer.cpu_offload=true offloads the distributed optimizer's shards: set "
+                "optimizer.distributed_optimizer=true"
+            )
+        if not opt.precision_aware:
+            errors.append(
+                "optimizer.cpu_offload=true needs optimizer.precision_aware=true: without it the fp32 main parameters "
+                "stay on the GPU as well, and Megatron-Core's hybrid optimizer does not refresh their host copies when "
+                "the weights are loaded"
+            )
+        if not 0 < opt.offload_fraction <= 1:
+            errors.append(
+                f"optimizer.offload_fraction={opt.offload_fraction} must be in (0, 1]: the share of the optimizer "
+                "state kept in host memory"
+            )
+        for key in ("main_params_dtype", "moments_dtype"):
+            if getattr(opt, key) != "fp32":
+                errors.append(
+                    f"optimizer.{key}={getattr(opt, key)!r} with optimizer.cpu_offload=true: the host optimizer "
+                    "(torch AdamW in Megatron's HybridDeviceOptimizer) keeps fp32 main parameters and moments; "
+                    f"set optimizer.{key}=fp32"
+                )
+    elif opt.offload_fraction != 1.0 or not opt.overlap_offload_transfers:
+        notes.append(
+            "optimizer.offload_fraction and optimizer.overlap_offload_transfers apply with optimizer.cpu_offload=true "
+            "only"
+        )
+    if opt.precision_aware:
+        if not opt.distributed_optimizer:
+            errors.append(
+                "optimizer.precision_aware=true needs optimizer.distributed_optimizer=true (Megatron-Core supports "
+                "the precision-aware optimizer only inside the distributed optimizer)"
+            )
+        if dtype != "bf16":
+            errors.append(
+                f"optimizer.precision_aware=true with model.options.dtype={dtype!r}: it keeps lower-precision "
+                "optimizer copies of bf16 weights; with fp32 weights the parameters are their own main copy. Set "
+                "model.options.dtype=bf16 or optimizer.precision_aware=false"
+            )
+    else:
+        for key in ("main_params_dtype", "moments_dtype"):
+            if getattr(opt, key) != "fp32":
+                errors.append(
+                    f"optimizer.{key}={getattr(opt, key)!r} needs optimizer.precision_aware=true (without it "
+                    "Megatron-Core keeps fp32 main parameters and moments)"
+                )

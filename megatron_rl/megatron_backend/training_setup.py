@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
 
 
@@ -24,6 +25,7 @@ def wrap_for_training(
     from megatron.core.transformer.module import Float16Module
 
     bf16 = model_options.dtype == "bf16"
+    check_optimizer_platform(opt)
     config.calculate_per_token_loss = True
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -40,22 +42,7 @@ def wrap_for_training(
         )
         for i, chunk in enumerate(chunks)
     ]
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=opt.lr,
-            min_lr=opt.min_lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2,
-            adam_eps=opt.adam_eps,
-            clip_grad=opt.clip_grad,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=opt.distributed_optimizer,
-        ),
-        wrapped,
-    )
+    optimizer = get_megatron_optimizer(OptimizerConfig(**optimizer_config_fields(opt, bf16)), wrapped)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt.warmup_steps else opt.lr,
@@ -75,6 +62,74 @@ def wrap_for_training(
     return wrapped, optimizer, scheduler
 
 
+def check_optimizer_platform(opt: OptimizerOptions) -> None:
+    """Refuse, by config key, the optimizer features this machine cannot run (the config validation refuses the
+    combinations no machine can run; this needs the platform).
+
+    * precision_aware: Megatron-Core's `OptimizerConfig.__post_init__` reads Transformer Engine's version (0.16
+      and 0.19 fail with a TypeError without it) and, without CPU offload, steps with its FusedAdam (CUDA).
+    * cpu_offload: Megatron-Core's `HybridDeviceOptimizer` moves GPU parameters' optimizer state to the host; a
+      parameter already on the host is taken for such a copy and its step fails (KeyError in
+      `_set_sub_optimizer_grads`): there is nothing to offload on a CPU run."""
+    if opt.precision_aware and not platform.transformer_engine_available():
+        raise ValueError(
+            "optimizer.precision_aware=true needs Transformer Engine (Megatron-Core's precision-aware optimizer "
+            "is its FusedAdam, and the config reads its version), which is not available here: install it on a "
+            "CUDA machine or set optimizer.precision_aware=false"
+        )
+    if opt.cpu_offload and platform.device().type != "cuda":
+        raise ValueError(
+            "optimizer.cpu_offload=true moves the optimizer state of GPU parameters to host memory; this run's "
+            "parameters are on the CPU already (Megatron's HybridDeviceOptimizer cannot step them): set "
+            "optimizer.cpu_offload=false"
+        )
+
+
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
+"""Config names of the precision-aware optimizer's dtypes; fp8 is `torch.uint8` (Transformer Engine's FusedAdam
+stores fp8 moments as uint8 with a per-tensor scale, as Megatron's --exp-avg-dtype fp8 maps it)."""
+
+
+def optimizer_config_fields(opt: OptimizerOptions, bf16: bool) -> dict[str, Any]:
+    """The fields of Megatron-Core's `OptimizerConfig` (0.16 and 0.19 name them alike) for `opt`.
+
+    CPU offload (`optimizer_cpu_offload`): the distributed optimizer hands its shards to Megatron's
+    `HybridDeviceOptimizer`, which keeps `offload_fraction` of them in pinned host memory as fp32 main
+    parameters with fp32 Adam moments, steps them with torch's AdamW on the CPU and copies the new parameters
+    back (overlapped with the step, per parameter, when `overlap_offload_transfers`). With the precision-aware
+    optimizer as well, the GPU holds no fp32 main copy at all (slime's recipe for Qwen3-30B-A3B on 8xH100).
+    `store_param_remainders` (Transformer Engine's FusedAdam keeps 16 bits of each fp32 main parameter) is off
+    then: the host optimizer keeps whole fp32 copies, and a resumed optimizer's empty state must say so.
+    Megatron-Core's own `OptimizerConfig.__post_init__` refuses the combinations it cannot run; the config
+    validation (`config/validation.py`) refuses them earlier, by config key."""
+    offload = opt.cpu_offload
+    fields: dict[str, Any] = dict(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=opt.distributed_optimizer,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=opt.offload_fraction if offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=offload and opt.overlap_offload_transfers,
+        use_precision_aware_optimizer=opt.precision_aware,
+    )
+    if opt.precision_aware:
+        moments = STATE_DTYPES[opt.moments_dtype]
+        fields |= dict(
+            main_params_dtype=STATE_DTYPES[opt.main_params_dtype], exp_avg_dtype=moments, exp_avg_sq_dtype=moments
+        )
+        if offload:
+            fields["store_param_remainders"] = False
+    return fields
+
+
 def inner_optimizers(optimizer: Any) -> Iterator[Any]:
     """The Megatron optimizers behind `optimizer` (a chained optimizer holds one per parameter group kind)."""
     yield from getattr(optimizer, "chained_optimizers", [optimizer])
@@ -82,12 +137,20 @@ def inner_optimizers(optimizer: Any) -> Iterator[Any]:
 
 @torch.no_grad()
 def zero_optimizer_state(optimizer: Any) -> None:
-    """Zero Adam's moments and step count."""
+    """Zero Adam's moments and step count. The main parameters some optimizers keep in their state (the
+    precision-aware FusedAdam's and the hybrid device optimizer's `master_param`) are weights, not moments: kept;
+    FusedAdam counts steps per parameter group."""
     for opt in inner_optimizers(optimizer):
-        for state in getattr(opt, "optimizer", opt).state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
+        inner = getattr(opt, "optimizer", opt)
+        if inner is None:  # a rank without parameters in this optimizer
+            continue
+        for state in inner.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "master_param":
                     value.zero_()
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = 0
 
 
 def reload_main_params(optimizer: Any) -> None:
