@@ -5,10 +5,12 @@ Megatron-Core's local spec builds a MoE layer's experts as `SequentialMLP` (tran
 sizes RL fine-tuning runs there, that loop is a third of the forward-backward (docs/performance.md §11).
 `grouped_mlp_class()` is the same module -- a subclass with exactly its parameters, names and
 `sharded_state_dict`, so checkpoints, HF conversion, weight sync and the families' mappings do not change --
-whose forward runs each projection of all local experts as one `torch._grouped_mm` over the token groups, the
-kernel transformers 5 uses for its MoE experts (`integrations/moe.py`). On CPU it computes each group with the
-same matmul as the per-expert loop, so the outputs and gradients are bitwise those of `SequentialMLP`
-(tests/megatron/test_grouped_experts.py).
+whose forward runs each projection of all local experts at once: one `torch._grouped_mm` over the token groups
+(the kernel transformers 5 uses for its MoE experts, `integrations/moe.py`) where the experts' weights are small,
+a loop of bare matmuls where stacking the weights would cost more (`_grouped_linear`), and every elementwise step
+once over all tokens. Each group's matmul is the one `SequentialMLP`'s linear layers compute, so on SwiGLU experts
+the outputs and gradients are bitwise those of `SequentialMLP`; with expert biases or GPT-OSS's gate they agree
+to fp32 rounding (tests/megatron/test_grouped_experts.py).
 
 The forward is `MLP.forward` (transformer/mlp.py, megatron-core 0.16 and 0.19 alike) on the unfused path:
 fc1 (+ bias), the gated linear unit with the config's activation, clamp and linear offset (or the plain
@@ -134,10 +136,12 @@ STACK_MAX_NUMEL = 1 << 16
 def _grouped_linear(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """`x @ W_e.T` for each expert e's group of rows of `x` (`counts[e]` rows each, in expert order).
 
-    Small weights: one `torch._grouped_mm` over the stacked weights. Large ones: a loop of plain matmuls (no
-    copy of the weights; still none of `SequentialMLP`'s per-expert module, autograd-Function and split
-    overhead). Both compute each group with the matmul `SequentialMLP`'s linear layers use, bitwise."""
-    if weights[0].numel() <= STACK_MAX_NUMEL:
+    Small weights on CPU: one `torch._grouped_mm` over the stacked weights. Otherwise a loop of plain matmuls
+    (no copy of the weights; still none of `SequentialMLP`'s per-expert module, autograd-Function and split
+    overhead); on CUDA `torch._grouped_mm` is limited to bf16 on Hopper and later, and the GPU's experts are the
+    Transformer Engine spec's anyway. Both compute each group with the matmul `SequentialMLP`'s linear layers
+    use, bitwise."""
+    if x.device.type == "cpu" and weights[0].numel() <= STACK_MAX_NUMEL:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
     groups = x.split(counts.tolist())
