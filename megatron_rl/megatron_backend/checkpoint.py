@@ -4,13 +4,15 @@ The directory layout, the state files and the atomic publish are `checkpoint_for
 
 A save writes everything under a temporary name and renames it when every rank has finished, so a
 crash mid-save leaves the previous checkpoint as `latest`; a background save (`BackgroundSaves`) renames it
-when its writers have finished, before the next save starts. Model weights reshard to any TP/EP/PP
+when its writer threads have finished, before the next save starts. Model weights reshard to any TP/EP/PP
 layout (Megatron's sharded tensors carry global keys); the distributed optimizer's state uses the
 `dp_reshardable` format, which reshards across data-parallel sizes only.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import errno
 import functools
 import inspect
@@ -19,6 +21,8 @@ import resource
 import shutil
 import signal
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,33 +214,42 @@ def _reports_out_of_space(save):
 
 
 class BackgroundSaves:
-    """Checkpoints written in the background by Megatron's async dist_checkpointing save, at most one at a time.
+    """Checkpoints written by a writer thread while training goes on, at most one at a time.
 
-    Each save's writer is a forked process: it writes host tensors as they were at the fork (copy-on-write) and
-    device tensors from a host copy made before it, so training goes on while it writes and the checkpoint still
-    holds the state of its step. The save is published (`COMPLETE`, rename, `latest`, pruning) by the request's
-    finalize step, which runs on every rank once every rank's writer has finished: in `wait`, which the next save
-    calls first. A crash before then leaves only the staging folder, so the previous checkpoint stays `latest`.
+    A save builds the sharded state dict, snapshots it into host buffers reused from save to save (on a GPU: the
+    one device-to-host copy) and hands the rest to a thread (`background_writer`): Megatron's dist_checkpointing
+    save of the snapshot, the RNG and trainer state files, then, over the writer's own gloo process group, the
+    gather of every rank's write results, `.metadata`, and the publish (`COMPLETE` last, rename, `latest`,
+    pruning). The first saves of a run plan on the training thread (the save plan is gathered from every rank until
+    the cached plan is validated, at the second save). `wait`, which the next save calls first, joins the thread.
+    A crash before the publish leaves only the staging folder, so the previous checkpoint stays `latest`.
     """
 
     def __init__(self) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from megatron_rl.megatron_backend import background_writer  # imports Megatron
 
-        self._queue = AsyncCallsQueue(persistent=False)  # persistent workers would share, not snapshot, host tensors
-        self._in_flight: tuple[Path, int] | None = None  # (root, step) of the save being written
-        self.published: int | None = None  # the step of the newest checkpoint this object published
+        self._writer = background_writer
+        self._snapshot = background_writer.HostSnapshot()
         # One strategy for every save, caching the save plan: while the state's structure does not change (it does
         # not within a run), later saves skip the gather of every rank's plan and the global metadata exchange.
-        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self.strategy = background_writer.PlanKeepingStrategy()
+        self._group = dist.new_group(backend="gloo")  # collective: every rank builds its BackgroundSaves together
+        self._thread = background_writer.WriterThread()
+        weakref.finalize(self, self._thread.stop)
+        self._in_flight: tuple[Any, _Publish] | None = None
+        self.published: int | None = None  # the step of the newest checkpoint this object published
         self.saves = 0
 
-    def schedule(self, request: Any, root: Path, step: int) -> None:
-        """Collective: start writing `request` (Megatron's AsyncRequest, publishing included) in the background."""
+    def start(self, state: dict, directory: Path, write_files: Callable[[], None], publish: _Publish) -> None:
+        """Collective: snapshot `state` (a sharded state dict) and write it to `directory` in the background, then
+        `write_files` (the small state files) and `publish`."""
+        from megatron.core import dist_checkpointing
+
         if self._in_flight is not None:
             raise RuntimeError("a checkpoint save is still in flight: wait() for it first")
-        self._queue.schedule_async_request(request)
-        self._in_flight = (root, step)
+        write = self._writer.BackgroundWrite(self.strategy, self._group, self._snapshot, self._thread)
+        write.start(state, directory, _background_save_options(dist_checkpointing.save, self), write_files, publish)
+        self._in_flight = (write, publish)
 
     def wait(self) -> int | None:
         """Collective: wait until the save in flight is written and published; its step (None if none was)."""
@@ -244,17 +257,17 @@ class BackgroundSaves:
 
         if self._in_flight is None:
             return None
-        root, step = self._in_flight
+        write, publish = self._in_flight
         self._in_flight = None
         try:
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            write.join()
         except (Exception, CheckpointException) as err:
-            report = _out_of_space_error(err, root, step)
+            report = _out_of_space_error(err, publish.root, publish.step)
             if report is None:
                 raise
             raise report from err
-        self.published = step
-        return step
+        self.published = publish.step
+        return self.published
 
 
 def start_checkpoint_writer() -> None:
@@ -290,9 +303,9 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
     `run_id` is recorded in trainer_state.json; pruning to `keep_last` only removes checkpoints of the same run
-    id (never another run's, never the one `latest` names). With `background` the model and optimizer tensors
-    are written in the background and the checkpoint is published by `background.wait()` (which this function
-    calls first: a save waits for the previous one); the small state files are written now."""
+    id (never another run's, never the one `latest` names). With `background` the state is snapshotted now and
+    written by a thread, and the checkpoint is published by `background.wait()` (which this function calls
+    first: a save waits for the previous one)."""
     from megatron.core import dist_checkpointing
 
     if background is not None:
@@ -313,34 +326,49 @@ def save_checkpoint(
     if actor.optimizer is not None:
         _init_unstepped_adam_state(actor)
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
-    options = _background_save_options(dist_checkpointing.save, background) if background is not None else {}
-    request = dist_checkpointing.save(state, str(tmp / MEGATRON_DIR), **options)
-    torch.save(_rng_state(), rng_file(tmp, rank))
+    trainer_fields = None
     if rank == 0:
-        write_trainer_state(
-            tmp,
-            step=step,
-            actor_step=actor.step,
-            scheduler=actor.scheduler.state_dict() if actor.scheduler is not None else None,
-            adam_steps=_adam_steps(actor) if actor.optimizer is not None else None,
-            trainer=trainer_state,
-            world_size=dist.get_world_size(),
-            run_id=run_id,
-        )
-        write_hf_config(tmp, actor.hf_config)
-    publish = functools.partial(_publish, root, step, keep_last, run_id)
+        trainer_fields = {
+            "step": step,
+            "actor_step": actor.step,
+            "scheduler": actor.scheduler.state_dict() if actor.scheduler is not None else None,
+            "adam_steps": _adam_steps(actor) if actor.optimizer is not None else None,
+            "trainer": trainer_state,
+            "world_size": dist.get_world_size(),
+            "run_id": run_id,
+        }
+    small_files = _SmallFiles(tmp, rank, _rng_state(), trainer_fields, actor.hf_config)
+    publish = _Publish(root, step, keep_last, run_id)
     if background is None:
+        dist_checkpointing.save(state, str(tmp / MEGATRON_DIR))
+        small_files()
         publish()
     else:
-        request.add_finalize_fn(publish)
-        background.schedule(request, root, step)
+        background.start(state, tmp / MEGATRON_DIR, copy.deepcopy(small_files), publish)
     return final
 
 
+@dataclasses.dataclass
+class _SmallFiles:
+    """The state files next to Megatron's: each rank's RNG state; on rank 0 trainer_state.json and the HF config."""
+
+    checkpoint: Path
+    rank: int
+    rng: dict[str, Any]
+    trainer: dict[str, Any] | None
+    hf_config: dict
+
+    def __call__(self) -> None:
+        torch.save(self.rng, rng_file(self.checkpoint, self.rank))
+        if self.trainer is not None:
+            write_trainer_state(self.checkpoint, **self.trainer)
+            write_hf_config(self.checkpoint, self.hf_config)
+
+
 def _background_save_options(save: Any, background: BackgroundSaves) -> dict[str, Any]:
-    """`dist_checkpointing.save`'s options for a background save with Megatron's own writer, which `AsyncCallsQueue`
-    runs (0.19.x defaults to NVIDIA Resiliency Extension's, `async_strategy="nvrx"`, not a dependency of ours), and
-    the run's cached save plan; the state's sharding is validated on the run's first save only."""
+    """`dist_checkpointing.save`'s options for a background save: a request for Megatron's own writer (0.19.x
+    defaults to NVIDIA Resiliency Extension's, `async_strategy="nvrx"`, not a dependency of ours) and the run's
+    cached save plan; the state's sharding is validated on the run's first save only."""
     options: dict[str, Any] = {
         "async_sharded_save": True,
         "sharded_strategy": background.strategy,
@@ -352,16 +380,24 @@ def _background_save_options(save: Any, background: BackgroundSaves) -> dict[str
     return options
 
 
-def _publish(root: Path, step: int, keep_last: int, run_id: str | None) -> None:
-    """Collective: once every rank has written its part of `step`'s staging folder, mark it complete, rename it,
-    point `latest` at it and prune."""
-    final = root / step_dir_name(step)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        publish_checkpoint(staging_dir(final), final, overwrite=True)
-        write_latest(root, final)
-        prune_checkpoints(root, keep_last, run_id)
-    dist.barrier()
+@dataclasses.dataclass
+class _Publish:
+    """Collective (over `group`, the default one if None): once every rank has written its part of `step`'s staging
+    folder, mark it complete, rename it, point `latest` at it and prune."""
+
+    root: Path
+    step: int
+    keep_last: int
+    run_id: str | None
+
+    def __call__(self, group: dist.ProcessGroup | None = None) -> None:
+        final = self.root / step_dir_name(self.step)
+        dist.barrier(group=group)
+        if dist.get_rank() == 0:
+            publish_checkpoint(staging_dir(final), final, overwrite=True)
+            write_latest(self.root, final)
+            prune_checkpoints(self.root, self.keep_last, self.run_id)
+        dist.barrier(group=group)
 
 
 def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True) -> dict:

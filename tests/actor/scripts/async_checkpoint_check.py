@@ -1,8 +1,10 @@
 """Run under torchrun: checkpoints written in the background (`BackgroundSaves`) while training goes on.
 
 Trains step 1, saves it in the background, trains step 2 (the weights change while the save is written), saves
-step 2 (which waits for step 1 and publishes it), waits, and trains step 3. Then loads step 1 and scores the batch,
-and loads step 2 and trains step 3 again. Writes what each rank saw as JSON.
+step 2 (which waits for step 1), waits, and trains step 3; saves step 3 (the first save whose planning runs in the
+writer thread: the cached plan is validated by the second) and trains step 4 while it is written. Then loads step 1
+and scores the batch, loads step 3 and scores it, and loads step 2 and trains step 3 again. Writes what each rank saw
+as JSON.
 """
 
 import argparse
@@ -42,7 +44,7 @@ def main() -> None:
         latest = root / "latest"
         return {
             "latest": latest.read_text() if latest.is_file() else None,
-            "complete": [step for step in (1, 2) if is_complete(root / step_dir_name(step))],
+            "complete": [step for step in (1, 2, 3) if is_complete(root / step_dir_name(step))],
         }
 
     def log_probs() -> list:
@@ -61,9 +63,15 @@ def main() -> None:
     results["waited"] = background.wait()
     results["after_wait"] = on_disk()
     results["full_step3"] = train(3)
+    results["step3_log_probs"] = log_probs()
+    checkpoint.save_checkpoint(actor, root, 3, {"data_position": 3}, background=background, keep_last=3)
+    train(4)  # while step 3 is written
+    results["waited3"] = background.wait()
 
     checkpoint.load_checkpoint(actor, root / step_dir_name(1))
     results["loaded1_log_probs"] = log_probs()
+    checkpoint.load_checkpoint(actor, root / step_dir_name(3))
+    results["loaded3_log_probs"] = log_probs()
     results["loaded2_state"] = checkpoint.load_checkpoint(actor, root / step_dir_name(2))
     results["loaded2_log_probs"] = log_probs()
     results["resumed_step3"] = train(3)
