@@ -25,6 +25,12 @@ from megatron_rl.megatron_backend.models.family import ModelDims, UnsupportedMod
 from megatron_rl.megatron_backend.parallel_layout import LayoutError
 
 GiB = 2**30
+PCIE_GB_PER_S = 25.0
+"""Effective host<->GPU bandwidth per GPU for the offloaded optimizer's copies (GB/s, 1e9 bytes): an H100 on PCIe
+Gen5 x16 peaks at ~64 GB/s each way, but pageable fp32 copies from the HybridDeviceOptimizer's host tensors, eight
+GPUs sharing the CPU sockets' links and per-parameter copies reach well below; 25 GB/s is an assumption, not a
+measurement (override with ClusterSpec.pcie_gb_per_s)."""
+STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 CUDA_CONTEXT_GIB = 3.0  # CUDA context, NCCL buffers and allocator slack per GPU
 SGLANG_RELEASED_GIB = 2.0  # what a colocated SGLang server keeps after releasing its memory (context, buffers)
 SGLANG_PORT = 30000
@@ -41,6 +47,7 @@ class ClusterSpec:
     gpus_per_node: int
     gpu_memory_gib: float = 80.0
     rollout_nodes: int = 0  # disaggregated: nodes that only serve SGLang (the last ones)
+    pcie_gb_per_s: float = PCIE_GB_PER_S  # effective host<->GPU bandwidth per GPU (optimizer CPU offload)
 
 
 @dataclass(frozen=True)
@@ -80,10 +87,13 @@ class MemoryEstimate:
     resident_in_rollout: float = 0.0  # the trainer's memory while a colocated SGLang generates
     sglang_kv_token_bytes: float = 0.0  # KV cache of one token, per GPU of a rollout server
     sglang_kv_tokens: float = 0.0  # tokens the rest of a server's share caches
+    host_optimizer: float = 0.0  # optimizer.cpu_offload: the state this GPU's optimizer keeps in host memory
+    host_per_node: float = 0.0  # host memory per node: every GPU's offloaded state, plus the parked actor
+    pcie_seconds_per_step: float = 0.0  # the offloaded optimizer's copies per training step, at ClusterSpec's rate
 
     def lines(self) -> list[str]:
         g = GiB
-        return [
+        lines = [
             f"  weights {self.weights / g:.1f} + grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
             f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} = {self.total / g:.1f} GiB "
             f"of {self.budget / g:.1f} GiB available to training",
@@ -91,6 +101,13 @@ class MemoryEstimate:
             f"(rollout.sglang.mem_fraction_static); the rest is KV cache: {self.sglang_kv_token_bytes / 2**10:.1f} "
             f"KiB per token per GPU, ~{self.sglang_kv_tokens / 1e3:.0f}k tokens per server",
         ]
+        if self.host_optimizer:
+            lines.insert(1, (
+                f"  optimizer CPU offload: {self.host_optimizer / g:.1f} GiB of optimizer state per GPU in host memory "
+                f"({self.host_per_node / g:.0f} GiB per node with the parked actor), ~{self.pcie_seconds_per_step:.1f} "
+                "s of PCIe copies per step (gradients down, parameters up, every update)"
+            ))  # fmt: skip
+        return lines
 
 
 @dataclass(frozen=True)
@@ -313,8 +330,15 @@ def _memory(
     bf16 = cfg.model.options.dtype == "bf16"
     weights = (dense + experts) * (2 if bf16 else 4)
     grads = (dense + experts) * 4
-    opt_bytes = 12 if bf16 else 8  # fp32 main copy (bf16 only) + Adam moments, sharded by the distributed optimizer
-    optimizer = dense * opt_bytes / dp + experts * opt_bytes / edp
+    shard = dense / dp + experts / edp  # parameters whose optimizer state this GPU holds (distributed optimizer)
+    opt = cfg.optimizer
+    if not opt.distributed_optimizer:
+        shard = dense + experts
+    offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
+    optimizer = shard * (1 - offloaded) * optimizer_bytes_per_param(opt, bf16)
+    host_optimizer = shard * offloaded * HOST_BYTES_PER_PARAM
+    updates = cfg.algo.mini_batches_per_step * cfg.algo.ppo_epochs
+    pcie = updates * shard * offloaded * PCIE_BYTES_PER_PARAM / (cluster.pcie_gb_per_s * 1e9)
     tokens = cfg.trainer.micro_batch_tokens
     act_bytes = 2 if bf16 else 4
     if cfg.model.options.recompute == "full":
@@ -336,8 +360,34 @@ def _memory(
     kv_token = kv_cache_token_bytes(d, server_gpus)
     kv_tokens = max(sglang_budget - sglang_weights, 0.0) / kv_token
     resident = 0.0 if cfg.trainer.offload_actor else (weights + grads + optimizer) * 1.1
+    parked = weights + grads + optimizer if cfg.trainer.offload_actor else 0.0
+    host = cluster.gpus_per_node * (host_optimizer + parked)
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
-                          sglang_budget, resident, kv_token, kv_tokens), params  # fmt: skip
+                          sglang_budget, resident, kv_token, kv_tokens, host_optimizer, host,
+                          pcie), params  # fmt: skip
+
+
+HOST_BYTES_PER_PARAM = 16
+"""Host memory per offloaded parameter: Megatron's HybridDeviceOptimizer keeps an fp32 copy of each shard
+(`param_update_in_fp32`), torch AdamW's fp32 exp_avg and exp_avg_sq, and a pinned fp32 gradient buffer."""
+PCIE_BYTES_PER_PARAM = 8
+"""PCIe bytes per offloaded parameter and update: the fp32 gradient down, the fp32 updated copy up (copied into
+the bf16 parameter on the GPU)."""
+
+
+def optimizer_bytes_per_param(opt, bf16: bool) -> float:
+    """GPU bytes of optimizer state per parameter it holds: main copy + Adam's two moments.
+
+    Resident optimizer: an fp32 main copy of bf16 weights (fp32 weights are their own) and fp32 moments: 12 / 8 B.
+    Precision-aware (Transformer Engine's FusedAdam, bf16 weights): the moments in `moments_dtype` (fp8 = 1 B) and
+    the main copy in `main_params_dtype`, where fp32 is stored as the 16 bits a bf16 weight lacks
+    (`store_param_remainders`, Megatron's default with TE >= 2.1): 2 B either way. With CPU offload the share left
+    on the GPU is the hybrid optimizer's fp32 copy and fp32 moments: 12 B."""
+    if opt.cpu_offload:
+        return 12
+    if opt.precision_aware:
+        return 2 + 2 * STATE_BYTES[opt.moments_dtype]
+    return (4 if bf16 else 0) + 8
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -369,7 +419,8 @@ def format_plan(plan: Plan) -> str:
     else:
         out.append("rollout: the embedded local engine in trainer rank 0")
     out.append("memory per GPU (estimate, most loaded pipeline stage):")
-    out.extend(plan.memory.lines()[: 2 if plan.servers else 1])
+    memory = plan.memory.lines()
+    out.extend(memory if plan.servers else memory[:-1])  # the last line is the rollout servers'
     out.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(out)
 

@@ -80,7 +80,8 @@ def test_memory_arithmetic_of_the_30b_example_by_hand() -> None:
 @pytest.mark.parametrize(
     ("example", "overrides", "cluster", "reasons"),
     [
-        ("qwen3_30b_a3b_gspo_8xh100.yaml", (), ClusterSpec(1, 8, 80), ["training needs ~"]),
+        ("qwen3_30b_a3b_gspo_8xh100.yaml", ("optimizer.cpu_offload=false", "optimizer.precision_aware=false"),
+         ClusterSpec(1, 8, 80), ["training needs ~89.7 GiB per GPU but 75.0 GiB are available"]),
         ("qwen3_30b_a3b_gspo_8xh100.yaml", ("parallel.tp=3",), ClusterSpec(1, 8, 80),
          ["not divisible by tp*pp*cp = 3"]),
         ("qwen3_30b_a3b_gspo_8xh100.yaml", ("parallel.ep=16",), ClusterSpec(1, 8, 80),
@@ -205,3 +206,70 @@ def test_planner_proposes_uneven_stages_when_the_layers_do_not_divide_by_pp() ->
                 "parallel.pp_first_stage_layers=12", "parallel.pp_last_stage_layers=12")  # fmt: skip
     with pytest.raises(PlanError, match="leave 23 layers for the other 2 pipeline stages, which must split them"):
         make_plan(four, odd, cluster)
+
+
+def _qwen30b_shard() -> tuple[float, float, float]:
+    """(local dense, local expert, optimizer shard) parameters of one GPU of the one-node 30B example: tp=1, ep=8,
+    dp=8, expert-dp=1."""
+    h, layers, experts, inter, vocab = 2048, 48, 128, 768, 151936
+    attention = 2 * h * 32 * 128 + 2 * h * 4 * 128 + 2 * 128 + 2 * h
+    dense = layers * (attention + experts * h) + 2 * vocab * h  # replicated at tp=1, embedding and head
+    expert = layers * experts * 3 * h * inter / 8
+    return dense, expert, dense / 8 + expert
+
+
+def test_one_node_30b_example_fits_8xh100_with_the_optimizer_offloaded() -> None:
+    """The example's header by hand: the shard's 3.82 B parameters keep their Adam state in host memory (16 B
+    each: fp32 master, two fp32 moments, a pinned fp32 gradient copy); 8 B per parameter cross PCIe per update."""
+    dense, expert, shard = _qwen30b_shard()
+    assert abs(shard / 1e9 - 3.8165) < 1e-3
+    cfg = _cfg("qwen3_30b_a3b_gspo_8xh100.yaml")
+    assert cfg.optimizer.cpu_offload and cfg.optimizer.precision_aware and cfg.optimizer.offload_fraction == 1.0
+    plan = make_plan(cfg, _hf(QWEN30B), ClusterSpec(1, 8, 80))
+    m, g = plan.memory, 2**30
+    assert m.optimizer == 0.0 and m.host_optimizer == pytest.approx(shard * 16)
+    assert m.weights == pytest.approx((dense + expert) * 2) and m.grads == pytest.approx((dense + expert) * 4)
+    tokens, vocab = 12288, 151936
+    activations, logits = tokens * 2048 * 2 * (48 + 17), tokens * vocab * 2 * 2
+    assert m.total == pytest.approx((m.weights + m.grads + activations + logits) * 1.1)
+    assert round(m.total / g, 1) == 42.7 and m.total <= m.budget == 75 * g
+    assert round(m.host_optimizer / g, 1) == 56.9
+    parked = m.weights + m.grads  # trainer.offload_actor: the GPU state waits in host memory during rollout
+    assert m.host_per_node == pytest.approx(8 * (shard * 16 + parked)) and round(m.host_per_node / g) == 686
+    updates = cfg.algo.mini_batches_per_step * cfg.algo.ppo_epochs  # 4
+    assert m.pcie_seconds_per_step == pytest.approx(updates * shard * 8 / 25e9)  # 4.9 s at 25 GB/s
+    assert round(m.pcie_seconds_per_step, 1) == 4.9
+    text = format_plan(plan)
+    assert "optimizer CPU offload: 56.9 GiB of optimizer state per GPU in host memory (686 GiB per node" in text
+    assert "~4.9 s of PCIe copies per step" in text
+
+    # Half offloaded: half the state stays on the GPU as the hybrid optimizer's fp32 copy and moments (12 B).
+    half = make_plan(_cfg("qwen3_30b_a3b_gspo_8xh100.yaml", "optimizer.offload_fraction=0.5"), _hf(QWEN30B),
+                     ClusterSpec(1, 8, 80, pcie_gb_per_s=50))  # fmt: skip
+    assert half.memory.optimizer == pytest.approx(shard * 0.5 * 12) and round(half.memory.total / g, 1) == 66.2
+    assert half.memory.host_optimizer == pytest.approx(shard * 0.5 * 16)
+    assert half.memory.pcie_seconds_per_step == pytest.approx(4 * shard * 0.5 * 8 / 50e9)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "bytes_per_param", "total_gib"),
+    [
+        (("optimizer.cpu_offload=false", "optimizer.precision_aware=false"), 12, 89.7),  # fp32 master + m + v
+        (("optimizer.cpu_offload=false", "optimizer.moments_dtype=fp32"), 2 + 8, 81.8),  # master remainders
+        (("optimizer.cpu_offload=false", "optimizer.moments_dtype=bf16"), 2 + 4, 66.2),
+        (("optimizer.cpu_offload=false", "optimizer.moments_dtype=fp8"), 2 + 2, 58.4),
+        (("optimizer.cpu_offload=false", "optimizer.moments_dtype=fp16", "optimizer.main_params_dtype=fp16"),
+         2 + 4, 66.2),
+    ],
+)  # fmt: skip
+def test_precision_aware_dtypes_set_the_bytes_per_moment(overrides, bytes_per_param, total_gib) -> None:
+    """GPU optimizer bytes per parameter of the shard: the main copy (2 B: fp16, or fp32 kept as the 16 bits a
+    bf16 weight lacks) plus two moments of 4 / 2 / 1 B; nothing in host memory, nothing over PCIe."""
+    _, _, shard = _qwen30b_shard()
+    cluster = ClusterSpec(1, 8, 10_000)  # roomy GPUs: every variant plans, the numbers are what is tested
+    plan = make_plan(_cfg("qwen3_30b_a3b_gspo_8xh100.yaml", *overrides), _hf(QWEN30B), cluster)
+    assert plan.memory.optimizer == pytest.approx(shard * bytes_per_param)
+    assert plan.memory.host_optimizer == plan.memory.pcie_seconds_per_step == 0
+    m = plan.memory
+    assert round((m.weights + m.grads + m.optimizer + m.activations + m.logits) * 1.1 / 2**30, 1) == total_gib
+    assert "optimizer CPU offload" not in format_plan(plan)
