@@ -11,7 +11,11 @@
 # routed experts vs transformers), the single-process actor invariants (export bitwise, ppo_kl == 0 on
 # the first update, loss falls, reference swap), with the TE layer spec when Transformer Engine imports
 # and the local spec otherwise; the kernel tests compiled by Triton (not the interpreter) and the log-prob
-# kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark (JSON copied to $OUT).
+# kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark (JSON copied to $OUT);
+# the optimizer CPU offload (Megatron's HybridDeviceOptimizer with the precision-aware optimizer): three updates
+# match the resident optimizer's within bf16 rounding with the state in host memory, and a checkpoint resume
+# with it continues bit for bit (tests/actor/test_optimizer_offload.py; these skip without Transformer Engine,
+# which the precision-aware optimizer needs: environment.txt says whether it imported).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -34,7 +38,7 @@ python3 -m pytest -q -p no:cacheprovider -o addopts= \
     tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
     tests/actor/test_layouts.py::test_single_process_invariants \
     tests/megatron/test_vocab_parallel.py tests/kernels tests/trainer/test_rl_loss.py \
-    tests/actor/test_offload.py 2>&1 | tee "$OUT/pytest.txt"
+    tests/actor/test_offload.py tests/actor/test_optimizer_offload.py -rs 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
 timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"

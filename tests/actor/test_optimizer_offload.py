@@ -24,6 +24,7 @@ from megatron_rl.megatron_backend.training_setup import (
     optimizer_config_fields,
     zero_optimizer_state,
 )
+from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLOAD = ("model.options.dtype=bf16", "optimizer.cpu_offload=true", "optimizer.precision_aware=true")
