@@ -10,6 +10,7 @@ import random
 import pytest
 
 from megatron_rl.megatron_backend.balance import (
+    Method,
     balanced_partition,
     imbalance,
     round_robin_partition,
@@ -62,7 +63,7 @@ def test_quadratic_cost_changes_the_partition() -> None:
 
 @pytest.mark.parametrize("method", ["kk", "greedy", "best"])
 @pytest.mark.parametrize(("n", "parts"), [(64, 2), (63, 2), (64, 8), (61, 8), (5, 8), (256, 4)])
-def test_every_sample_once_and_equal_counts(method: str, n: int, parts: int) -> None:
+def test_every_sample_once_and_equal_counts(method: Method, n: int, parts: int) -> None:
     lengths = _lognormal(n, seed=n * parts)
     groups = balanced_partition(lengths, parts, method=method)
     assert len(groups) == parts
