@@ -3,11 +3,11 @@
 RL responses have long-tailed lengths, so the row rule r, r + dp, r + 2dp, ... can hand one rank several long
 samples and its neighbour short ones: every rank then waits for the slowest. Here samples are assigned by their
 cost (tokens, optionally plus ``alpha * tokens**2`` for the attention's quadratic term) so that the sums are
-close, with every part holding the same number of samples when that is required (the expert-parallel
-all-to-all needs the same micro-batch count on every rank; equal sample counts keep the mini-batch's loss
-weights equal).
+close, with every part holding the same number of samples when that is required (every data-parallel rank then
+has the same share of the mini-batch's samples; the expert-parallel all-to-all also needs the same micro-batch
+count on every rank, which `split_micro_batches` meets with `min_count`).
 
-Two partitioners:
+Two partitioners, and the better of the two:
   * ``"kk"``: the largest differencing method of Karmarkar & Karp (1982), "The differencing method of set
     partitioning" (UC Berkeley tech. report UCB/CSD 82/113), in its k-way form: every item starts as a
     k-tuple of subsets, the two tuples with the largest spread (max - min subset sum) are merged by joining
