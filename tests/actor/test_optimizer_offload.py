@@ -107,6 +107,25 @@ def test_a_cpu_run_refuses_what_needs_cuda_or_transformer_engine() -> None:
     check_optimizer_platform(OptimizerOptions())  # the resident optimizer runs anywhere
 
 
+@pytest.mark.skipif(ON_CUDA, reason="what Megatron's hybrid optimizer does with host parameters")
+@pytest.mark.usefixtures("megatron_world")
+def test_megatron_hybrid_optimizer_cannot_step_parameters_already_on_the_host() -> None:
+    """Why a CPU run refuses optimizer.cpu_offload: the HybridDeviceOptimizer (streams bridged to no-ops on CPU)
+    puts every host parameter in its CPU group and then looks each up as the copy of a GPU parameter. If a
+    Megatron-Core release makes this step work, this test fails: lift the refusal in `check_optimizer_platform`."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    param = torch.nn.Parameter(torch.ones(4))
+    hybrid = HybridDeviceOptimizer(
+        [param], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True, lr=0.1,
+    )  # fmt: skip
+    assert hybrid.gpu_optimizer is None and len(hybrid.cpu_optimizers) == 1 and not hybrid.gpu_params_map_cpu_copy
+    param.grad = torch.ones(4)
+    with pytest.raises(KeyError):
+        hybrid.step()
+
+
 def test_reset_keeps_main_parameters_held_in_the_optimizer_state() -> None:
     """FusedAdam (precision-aware) and the hybrid device optimizer keep `master_param` next to the moments."""
     param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
