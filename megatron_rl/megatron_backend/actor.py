@@ -30,8 +30,10 @@ from megatron_rl.megatron_backend.micro_batches import (
     dp_shard,
     gather_rows,
     micro_batches,
+    model_inputs,
     positions_below,
     rows_of_this_rank,
+    schedule_shape,
     stack_rows,
 )
 from megatron_rl.megatron_backend.model_builder import build_model
@@ -196,14 +198,13 @@ class MegatronActor:
 
         def forward_step(data_iterator: Iterator[TokenBatch], model: nn.Module):
             mb = next(data_iterator)
-            ids = mb.input_ids.to(platform.device())
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             chunk = chunk_of[id(model)]
             routes.before_forward(mb, chunk)
-            output = model(ids, pos, attention_mask=None)
+            output = model(**model_inputs(mb))
             routes.after_forward(chunk, forward_only=forward_only)
             return output, partial(loss_func, mb)
 
+        seq_length, micro_batch_size = schedule_shape(batches)
         try:
             iterators = [iter(batches) for _ in self.chunks]
             outputs = get_forward_backward_func()(
@@ -211,8 +212,8 @@ class MegatronActor:
                 data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
                 model=self.chunks,
                 num_microbatches=len(batches),
-                seq_length=max(mb.input_ids.shape[1] for mb in batches),
-                micro_batch_size=max(mb.size for mb in batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
                 forward_only=forward_only,
             )
         finally:
@@ -222,11 +223,14 @@ class MegatronActor:
         return outputs, recorded, agreement
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
-        """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]`."""
-        return next_token_logprobs_and_entropy(
-            logits, mb.input_ids, tp_group=self._groups["tp"], valid_vocab_size=self.dims.vocab_size,
+        """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]` (of the
+        packed row when `mb` is packed: a sample's first position, which reads the previous sample's last logits,
+        has no context and is never used)."""
+        logp, ent = next_token_logprobs_and_entropy(
+            logits, mb.model_tokens(), tp_group=self._groups["tp"], valid_vocab_size=self.dims.vocab_size,
             temperature=temperature, with_entropy=with_entropy, impl=self.model_options.logprob_impl,
         )  # fmt: skip
+        return mb.per_sample(logp), None if ent is None else mb.per_sample(ent)
 
     @torch.no_grad()
     def compute_log_probs(
@@ -244,7 +248,9 @@ class MegatronActor:
         for chunk in self.chunks:
             chunk.eval()
         shard, index = dp_shard(batch)
-        batches = micro_batches(shard, self.micro_batch_tokens, self.layout, self._groups["dp"])
+        batches = micro_batches(
+            shard, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
+        )
         results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
@@ -317,7 +323,9 @@ class MegatronActor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         shard, _ = dp_shard(batch)
-        batches = micro_batches(shard, self.micro_batch_tokens, self.layout, self._groups["dp"])
+        batches = micro_batches(
+            shard, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
+        )
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
             logp, ent = self._token_stats(mb, logits, with_entropy, 1.0)

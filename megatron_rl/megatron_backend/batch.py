@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.megatron_backend.packing import Packing
 from megatron_rl.routing.cache import padding_routes
 
 
@@ -26,6 +27,7 @@ class TokenBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     routes: torch.Tensor | None = None
     padding_rows: int = 0  # trailing dummy rows added to give every micro-batch the same shape
+    packing: Packing | None = None  # set on a micro-batch the model sees packed (its rows end to end in one row)
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
@@ -42,6 +44,14 @@ class TokenBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def model_tokens(self) -> torch.Tensor:
+        """The token ids the model sees: `input_ids`, or their packed row `[1, total]`."""
+        return self.input_ids if self.packing is None else self.packing.pack(self.input_ids)
+
+    def per_sample(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token model outputs (`[rows, seq, ...]` as the model saw them) in this batch's per-sample layout."""
+        return values if self.packing is None else self.packing.unpack(values, self.input_ids.shape[1])
 
     def response_mask(self) -> torch.Tensor:
         """`[batch, seq]` bool: True at response tokens (the positions whose log-probs train the policy)."""

@@ -6,12 +6,15 @@ of every batch it is given (`routing.cache.dp_shard_indices`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
+from megatron_rl.megatron_backend.packing import Packing, split_packed
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.routing.cache import dp_shard_indices
 
@@ -34,9 +37,15 @@ def dp_shard(batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
     return batch.select(index), index
 
 
-def micro_batches(shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group) -> list[TokenBatch]:
+def micro_batches(
+    shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group, *, packing: bool = True
+) -> list[TokenBatch]:
     """Micro-batches by token budget, as many on every data-parallel rank; under pipeline parallelism all get
     one fixed shape.
+
+    `packing`: each micro-batch is packed (`TokenBatch.packing`): its samples end to end in one row of at most
+    `max_tokens` tokens (a longer sample alone), padded only at the end, to a multiple of TP under sequence
+    parallelism. Otherwise each sample is a row, padded to the longest (count x longest <= `max_tokens`).
 
     Expert-parallel all-to-alls span data-parallel ranks, so every rank must run the same number of
     micro-batches (a rank with fewer samples gets dummy rows). Megatron's variable-shape p2p path exchanges
@@ -46,20 +55,51 @@ def micro_batches(shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp
     from megatron.core import parallel_state as ps
 
     multiple = layout.tp if layout.sequence_parallel else 1
-    groups = split_by_token_budget(shard.lengths.tolist(), max_tokens)
-    count = torch.tensor([max(len(groups), fewest_micro_batches(layout))])
+    lengths = shard.lengths.tolist()
+    groups = split_packed(lengths, max_tokens) if packing else split_by_token_budget(lengths, max_tokens)
+    count = torch.tensor([len(groups)])
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    groups = regroup(groups, int(count))
+    groups = regroup(groups, micro_batch_count(int(count), layout))
+    if packing:
+        views = [shard.select(g, rows=max(len(g), 1)) for g in groups]
+        used = max(int(v.lengths.sum()) for v in views)
+        total = -(-used // multiple) * multiple if layout.pp > 1 else None
+        return [
+            dataclasses.replace(v, packing=Packing.of(v.lengths.tolist(), multiple=multiple, total=total))
+            for v in views
+        ]
     if layout.pp == 1:
         return [shard.select(g, pad_to_multiple=multiple, rows=max(len(g), 1)) for g in groups]
     seq, rows = int(shard.lengths.max()), max(max(len(g) for g in groups), 1)
     return [shard.select(g, pad_to_multiple=multiple, seq_len=seq, rows=rows) for g in groups]
 
 
-def fewest_micro_batches(layout: ParallelLayout) -> int:
-    """Megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of PP: it needs at least PP."""
-    return layout.pp if layout.vpp else 1
+def model_inputs(mb: TokenBatch) -> dict[str, Any]:
+    """The GPT model's forward arguments for micro-batch `mb` (packed: THD with `cu_seqlens`)."""
+    device = platform.device()
+    ids = mb.model_tokens().to(device)
+    if mb.packing is None:
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        return {"input_ids": ids, "position_ids": positions, "attention_mask": None}
+    return {
+        "input_ids": ids,
+        "position_ids": mb.packing.positions().to(device),
+        "attention_mask": None,
+        "packed_seq_params": mb.packing.seq_params(device),
+    }
+
+
+def schedule_shape(batches: list[TokenBatch]) -> tuple[int, int]:
+    """(seq_length, micro_batch_size) of the activations Megatron's schedule exchanges between stages."""
+    shapes = [(1, mb.packing.total) if mb.packing is not None else tuple(mb.input_ids.shape) for mb in batches]
+    return max(s for _, s in shapes), max(b for b, _ in shapes)
+
+
+def micro_batch_count(count: int, layout: ParallelLayout) -> int:
+    """The number of micro-batches to run for `count` groups: Megatron's interleaved (virtual pipeline) schedule
+    runs them in groups of PP, so it needs a multiple of PP."""
+    return -(-count // layout.pp) * layout.pp if layout.vpp else count
 
 
 def regroup(groups: list[list[int]], count: int) -> list[list[int]]:

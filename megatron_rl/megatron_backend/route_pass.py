@@ -61,6 +61,7 @@ class RoutePass:
             routers.set_action("record")
 
     def before_forward(self, mb: TokenBatch, chunk: int) -> None:
+        self.routers.set_fixed_rows(self._packed_padding(mb), chunk=chunk)
         if self.monitor is not None:
             self.monitor.begin_micro_batch(chunk, self._set_replay_targets(mb, chunk))
         elif self._targets_only:
@@ -80,6 +81,8 @@ class RoutePass:
         uses = self.monitor.uses() if self.monitor is not None else []
         if self.monitor is not None:
             self.monitor.remove()
+        for chunk in range(len(self.modules)):
+            self.routers.set_fixed_rows(None, chunk=chunk)
         if self.mode is not None:
             self.routers.set_action(None)
             self.routers.clear()
@@ -119,6 +122,8 @@ class RoutePass:
         valid = torch.arange(routes.shape[1]).unsqueeze(0) < (mb.lengths.unsqueeze(1) - 1)
         if mb.padding_rows:
             valid[-mb.padding_rows :] = False
+        if mb.packing is not None:  # the packed row's order; its trailing padding routes like recorded padding
+            routes, valid = mb.packing.pack(routes), mb.packing.pack(valid, fill=False)
         sorted_routes = routes.sort(-1).values
         repeated = (sorted_routes[..., 1:] == sorted_routes[..., :-1]).any(-1, keepdim=True)
         routes = torch.where(repeated, torch.arange(k, dtype=routes.dtype), routes)
@@ -132,6 +137,14 @@ class RoutePass:
                 target = routes[:, :, column].transpose(0, 1).reshape(-1, k).long().to(platform.device())
                 handle.router.router_replay.set_target_indices(target)
         return valid.transpose(0, 1).reshape(-1)
+
+    def _packed_padding(self, mb: TokenBatch) -> torch.Tensor | None:
+        """`[tokens_local]` bool, Megatron's order: the trailing padding of a packed row (None if it has none)."""
+        if mb.packing is None or mb.packing.total == mb.packing.used:
+            return None
+        padding = mb.packing.pack(torch.zeros(mb.input_ids.shape, dtype=torch.bool), fill=True)
+        tp, tp_rank = self._sequence_parallel_slice()
+        return padding.chunk(tp, dim=1)[tp_rank].transpose(0, 1).reshape(-1)
 
     def _sequence_parallel_slice(self) -> tuple[int, int]:
         """(number of sequence slices, this rank's slice): (1, 0) without sequence parallelism."""
@@ -172,13 +185,14 @@ class RoutePass:
         tp = self._sequence_parallel_slice()[0]
         per_mb = []
         for mb, layers in zip(self.micro_batches, recorded, strict=True):
-            b = mb.input_ids.shape[0]
+            b = 1 if mb.packing is not None else mb.input_ids.shape[0]
             stacked = torch.stack([t.view(-1, b, k) for t in layers], dim=2) if layers else torch.empty(0)
             if tp > 1 and layers:
                 parts = [torch.empty_like(stacked) for _ in range(tp)]
                 dist.all_gather(parts, stacked.contiguous(), group=self.groups["tp"])
                 stacked = torch.cat(parts, dim=0)
-            per_mb.append(stacked.permute(1, 0, 2, 3).to(dtype).cpu() if layers else None)  # [b, s_mb, L_local, k]
+            # [b, s_mb, L_local, k] per sample
+            per_mb.append(mb.per_sample(stacked.permute(1, 0, 2, 3).to(dtype).cpu()) if layers else None)
         # Collect the layers of every pipeline stage.
         local = (self.routers.layers, per_mb)
         if ps.get_pipeline_model_parallel_world_size() > 1:

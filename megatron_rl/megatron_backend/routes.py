@@ -7,6 +7,7 @@ the same process cannot disturb it) and drives their `RouterReplay` instances di
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,10 @@ class MoERouters:
                         raise ValueError("model was built without moe_enable_routing_replay; cannot record routes")
                     handles.append(RouterHandle(layer.layer_number - 1, chunk_index, router))
         self.handles = sorted(handles, key=lambda h: h.global_layer)
+        replay_class = _fixed_rows_replay_class()
+        for h in self.handles:
+            if not isinstance(h.router.router_replay, replay_class):
+                h.router.router_replay = replay_class()
         # Drop our instances from Megatron's process-global registry: we address them directly, and
         # the registry would otherwise keep every model ever built alive.
         mine = {id(h.router.router_replay) for h in self.handles}
@@ -59,6 +64,16 @@ class MoERouters:
         for h in self.handles:
             if chunk is None or h.chunk == chunk:
                 h.router.router_replay.router_replay_action = value
+
+    def set_fixed_rows(self, rows: torch.Tensor | None, *, chunk: int) -> None:
+        """Route the tokens where `rows` (`[tokens_local]` bool, Megatron's order) is True to experts 0..k-1 when
+        routing naturally or recording, as a replay routes positions without a recorded route. For the trailing
+        padding of a packed row: the experts' GEMMs are not independent of the other tokens they get, so natural,
+        recorded and replayed passes over a micro-batch agree bitwise only if its padding routes alike in all.
+        None: route every token naturally."""
+        for h in self.handles:
+            if h.chunk == chunk:
+                h.router.router_replay.fixed_rows = rows
 
     def unconsumed(self) -> list[int]:
         """Layers whose replay queue still holds routes (each recorded route must be used exactly once)."""
@@ -81,6 +96,30 @@ class MoERouters:
     def clear(self) -> None:
         for h in self.handles:
             h.router.router_replay.clear_indices()
+
+
+@functools.cache
+def _fixed_rows_replay_class() -> type:
+    """Megatron's `RouterReplay` that, when routing naturally or recording, routes the tokens marked in
+    `fixed_rows` to experts 0..k-1 (their probabilities gathered from the scores, as a replay does)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class FixedRowsRouterReplay(RouterReplay):
+        fixed_rows: torch.Tensor | None = None
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, indices = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            action = self.router_replay_action
+            if action not in (None, RouterReplayAction.RECORD) or self.fixed_rows is None:
+                return probs, indices
+            rows = self.fixed_rows.to(scores.device).unsqueeze(1)
+            indices = torch.where(rows, torch.arange(topk, device=scores.device), indices)
+            probs = torch.where(rows, scores.gather(1, indices), probs)
+            if action == RouterReplayAction.RECORD:
+                self.record_indices(indices)
+            return probs, indices
+
+    return FixedRowsRouterReplay
 
 
 class ReplayMonitor:

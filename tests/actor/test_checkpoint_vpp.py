@@ -32,7 +32,7 @@ def test_trained_checkpoint_loads_into_pp2_vpp2(tiny_moe_dir: Path, tmp_path: Pa
     samples = make_samples(vocab=128, n=4, seed=13)
     single = _logprobs(ckpt, samples, tmp_path)
     # The 4 samples fit one micro-batch of the default budget; the interleaved schedule needs at least PP=2,
-    # which the actor makes by splitting (micro_batches.fewest_micro_batches).
+    # which the actor makes by splitting (micro_batches.micro_batch_count).
     chunked = _logprobs(ckpt, samples, tmp_path, 2, ("--pp", "2", "--vpp", "2"))
     assert _largest_gap(single, chunked) < 5e-6
     for x, y in zip(single, chunked, strict=True):  # the order inside a top-k row carries no meaning

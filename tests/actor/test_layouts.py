@@ -4,7 +4,9 @@ Each layout runs `scripts/actor_layout_check.py` under torchrun with gloo: it lo
 checkpoint, scores a batch (log-probs, entropy, routed experts), exports the weights back to HF,
 and trains 3 PPO steps, offloading the training state to the host and back after the first.
 Tolerances (fp32): log-probs and entropy 5e-6 absolute, loss 1e-6 absolute, grad norm 1e-5 relative;
-routes and exported weights identical.
+routes and exported weights identical. Within each layout, packed micro-batches (the default) match padded ones:
+log-probs, entropy and one update's loss within 1e-6 absolute, its grad norm within 1e-6 relative, routes identical,
+and replaying the recorded routes reproduces the packed pass bitwise.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def test_single_process_invariants(single_process: dict) -> None:
     assert single_process["reference_host_bytes"] > 0
     assert single_process["offload"]["bytes"] > 0
     assert single_process["offload"]["freed"] and single_process["offload"]["bitwise"]
+    _assert_packing_matches_padding("single", single_process["packing"])
+
+
+def _assert_packing_matches_padding(name: str, packing: dict) -> None:
+    """Packed micro-batches (the default) against padded ones on the same weights, within one layout."""
+    assert packing["log_probs"] < 1e-6, f"{name}: packed vs padded log-prob error {packing['log_probs']}"
+    assert packing["entropy"] < 1e-6, f"{name}: packed vs padded entropy error {packing['entropy']}"
+    assert packing["routes_equal"], f"{name}: packed and padded scoring routed tokens differently"
+    assert packing["loss"] < 1e-6, f"{name}: packed vs padded loss differs by {packing['loss']}"
+    assert packing["grad_norm"] < 1e-6, f"{name}: packed vs padded grad norm differs by {packing['grad_norm']} (rel.)"
+    assert packing["replay_log_probs_equal"], f"{name}: replaying the packed pass's routes changed its log-probs"
+    assert packing["replay_agreement"] == 1.0
 
 
 # Full recompute with TP2: also run (with routing replay) by tests/routing; here in the slow tier.
@@ -78,6 +92,7 @@ def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe
     assert torch.equal(got_routes[valid], ref_routes[valid]), f"{name}: routed experts differ from the single process"
     assert got["export_equal"], f"{name}: exported weights are not bitwise equal to the checkpoint"
     assert got["ppo_kl_first_update"] == 0.0
+    _assert_packing_matches_padding(name, got["packing"])
     assert got["reference_equals_initial"] and got["actor_restored"] and got["policy_moved"]
     # An offload/reload between the first two updates frees every shard and changes nothing (the steps below
     # still match the single process).

@@ -72,6 +72,8 @@ def main() -> None:
         count = mask.sum().to(torch.int)
         return loss * count, count, {"ppo_kl": metrics["ppo_kl"], "clip_frac_high": metrics["clip_frac_high"]}
 
+    packing = packed_vs_padded(actor, batch, scored, loss_fn)
+
     steps = []
     offload = {}
     for i in range(3):
@@ -110,10 +112,37 @@ def main() -> None:
                 "policy_moved": not torch.equal(trained, scored.log_probs),
                 "reference_host_bytes": reference.host_bytes,
                 "offload": offload,
+                "packing": packing,
             },
             open(args.out, "w"),
         )
     shutdown()
+
+
+def packed_vs_padded(actor, batch, packed, loss_fn) -> dict:
+    """The packed layout (the actor's default, which scored `packed`) against the padded one on the same weights:
+    scoring, one update's loss and gradient norm (at lr 0, so the weights stay), and a replay of the recorded routes
+    (which must route as recorded and give the recorded pass's log-probs bitwise)."""
+    import dataclasses
+
+    packed_options = actor.model_options
+    padded_options = dataclasses.replace(packed_options, packing=False)
+    actor.model_options = padded_options
+    padded = actor.compute_log_probs(batch, with_entropy=True, route_mode="record")
+    padded_update = actor.warmup_step(batch, loss_fn, lr=0.0)
+    actor.model_options = packed_options
+    packed_update = actor.warmup_step(batch, loss_fn, lr=0.0)
+    replayed = actor.compute_log_probs(dataclasses.replace(batch, routes=packed.routes), route_mode="replay")
+    valid = torch.arange(batch.input_ids.shape[1]) < batch.lengths.unsqueeze(1)  # every real token
+    return {
+        "log_probs": (packed.log_probs - padded.log_probs).abs().max().item(),
+        "entropy": (packed.entropy - padded.entropy).abs().max().item(),
+        "routes_equal": torch.equal(packed.routes[valid], padded.routes[valid]),
+        "loss": abs(packed_update["loss"] - padded_update["loss"]),
+        "grad_norm": abs(packed_update["grad_norm"] - padded_update["grad_norm"]) / padded_update["grad_norm"],
+        "replay_log_probs_equal": torch.equal(replayed.log_probs, packed.log_probs),
+        "replay_agreement": replayed.agreement.agreement,
+    }
 
 
 if __name__ == "__main__":
