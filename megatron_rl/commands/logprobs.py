@@ -42,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
     parser.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / temperature)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per micro-batch")
+    parser.add_argument(
+        "--packing",
+        choices=["on", "off"],
+        default="on",
+        help="on: samples packed end to end per micro-batch (THD); off: one padded row per sample",
+    )
     parser.add_argument("--replay-routes", action="store_true", help="force the input's routed_experts")
 
 
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         num_query_groups=dims.num_query_groups,
     )
     try:
-        options = ModelOptions(dtype=args.dtype, routing_replay=True)
+        options = ModelOptions(dtype=args.dtype, routing_replay=True, packing=args.packing == "on")
         if args.checkpoint:
             actor = MegatronActor(hf, layout, model_options=options, micro_batch_tokens=args.micro_batch_tokens)
             load_checkpoint(actor, resolve_checkpoint_dir(args.checkpoint), load_optimizer=False)

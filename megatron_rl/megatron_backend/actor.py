@@ -27,10 +27,10 @@ from megatron_rl.kernels import next_token_logprobs_and_entropy
 from megatron_rl.megatron_backend import hf_weights, platform, training_setup
 from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 from megatron_rl.megatron_backend.micro_batches import (
-    dp_shard,
+    RankPlan,
     gather_rows,
-    micro_batches,
     model_inputs,
+    plan_micro_batches,
     positions_below,
     rows_of_this_rank,
     schedule_shape,
@@ -124,9 +124,10 @@ class MegatronActor:
         """The bare GPT models (unwrapped from DDP / Float16Module)."""
         return [hf_weights.unwrap_model(c) for c in self.chunks]
 
-    def rows_fed(self, batch_size: int) -> list[int]:
-        """The rows of a `batch_size`-row batch this rank feeds in `compute_log_probs` and `train_step`."""
-        return rows_of_this_rank(batch_size)
+    def rows_fed(self, lengths: list[int]) -> list[int]:
+        """The rows of a batch whose sequences have `lengths` this rank feeds in `compute_log_probs` and
+        `train_step`."""
+        return rows_of_this_rank(lengths)
 
     # ------------------------------------------------------------------ optimizer state
     def reset_optimizer_state(self) -> None:
@@ -222,6 +223,11 @@ class MegatronActor:
         recorded, agreement = routes.finish(uses, recompute=recompute, seq_len=seq_len)
         return outputs, recorded, agreement
 
+    def _plan(self, batch: TokenBatch) -> RankPlan:
+        return plan_micro_batches(
+            batch, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
+        )
+
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]` (of the
         packed row when `mb` is packed: a sample's first position, which reads the previous sample's last logits,
@@ -247,10 +253,8 @@ class MegatronActor:
         self._check_resident("compute_log_probs")
         for chunk in self.chunks:
             chunk.eval()
-        shard, index = dp_shard(batch)
-        batches = micro_batches(
-            shard, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
-        )
+        plan = self._plan(batch)
+        shard, index, batches = plan.shard, plan.index, plan.batches
         results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
@@ -322,10 +326,8 @@ class MegatronActor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        shard, _ = dp_shard(batch)
-        batches = micro_batches(
-            shard, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
-        )
+        plan = self._plan(batch)
+        batches = plan.batches
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
             logp, ent = self._token_stats(mb, logits, with_entropy, 1.0)
@@ -350,6 +352,7 @@ class MegatronActor:
         else:
             self.scheduler.step(increment=0)  # put the schedule's LR back
         metrics = reduce_metrics(outputs, grad_norm, self.optimizer, self._groups, lr=lr)
+        metrics["balance/dp_imbalance"] = plan.dp_imbalance
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))
         return metrics

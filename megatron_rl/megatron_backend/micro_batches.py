@@ -1,51 +1,65 @@
 """This rank's share of a batch: its data-parallel rows, their micro-batches, and the reassembled results.
 
-Row rule (owned here, asked for by routing replay): data-parallel rank r feeds rows r, r + dp, r + 2dp, ...
-of every batch it is given (`routing.cache.dp_shard_indices`).
+Row rule (owned here, asked for by routing replay): the rows of a batch are split over data-parallel ranks by a
+token-balanced partition of their lengths (`balance.balanced_partition`), which every rank computes alike.
+Within a rank, packed micro-batches are balanced too (`balance.split_micro_batches`); the rank's rows are then
+kept in micro-batch order, with their indices in the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.balance import balanced_partition, imbalance, split_micro_batches
 from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
-from megatron_rl.megatron_backend.packing import Packing, split_packed
+from megatron_rl.megatron_backend.packing import Packing
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
-from megatron_rl.routing.cache import dp_shard_indices
 
 
-def rows_of_this_rank(batch_size: int) -> list[int]:
-    """The rows of a `batch_size`-row batch this data-parallel rank feeds."""
+def data_parallel_partition(lengths: list[int]) -> list[list[int]]:
+    """The rows each data-parallel rank feeds of a batch whose sequences have `lengths` (same on every rank)."""
     from megatron.core import parallel_state as ps
 
-    return dp_shard_indices(batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    dp = ps.get_data_parallel_world_size()
+    if len(lengths) < dp:
+        raise ValueError(f"batch of {len(lengths)} samples is smaller than the data-parallel size {dp}")
+    return balanced_partition(lengths, dp) if dp > 1 else [list(range(len(lengths)))]
 
 
-def dp_shard(batch: TokenBatch) -> tuple[TokenBatch, list[int]]:
-    """This rank's rows of `batch` and their indices."""
+def rows_of_this_rank(lengths: list[int]) -> list[int]:
+    """The rows of a batch whose sequences have `lengths` that this data-parallel rank feeds."""
     from megatron.core import parallel_state as ps
 
-    index = rows_of_this_rank(batch.size)
-    if not index:
-        dp = ps.get_data_parallel_world_size()
-        raise ValueError(f"batch of {batch.size} samples is smaller than the data-parallel size {dp}")
-    return batch.select(index), index
+    return data_parallel_partition(lengths)[ps.get_data_parallel_rank()]
 
 
-def micro_batches(
-    shard: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group, *, packing: bool = True
-) -> list[TokenBatch]:
-    """Micro-batches by token budget, as many on every data-parallel rank; under pipeline parallelism all get
+@dataclass
+class RankPlan:
+    """This rank's rows of a batch, in the order its micro-batches run them."""
+
+    shard: TokenBatch  # this rank's rows, in micro-batch order
+    index: list[int]  # their rows in the batch
+    batches: list[TokenBatch]  # the micro-batches (consecutive rows of `shard`)
+    dp_imbalance: float  # max / mean tokens per data-parallel rank
+
+
+def plan_micro_batches(
+    batch: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group, *, packing: bool = True
+) -> RankPlan:
+    """This rank's rows and micro-batches, as many on every data-parallel rank; under pipeline parallelism all get
     one fixed shape.
 
     `packing`: each micro-batch is packed (`TokenBatch.packing`): its samples end to end in one row of at most
     `max_tokens` tokens (a longer sample alone), padded only at the end, to a multiple of TP under sequence
-    parallelism. Otherwise each sample is a row, padded to the longest (count x longest <= `max_tokens`).
+    parallelism (and to the longest row under PP); the rank's samples are spread over its micro-batches with
+    balanced token counts. Otherwise each sample is a row, padded to the longest (count x longest <=
+    `max_tokens`), consecutive samples per micro-batch.
 
     Expert-parallel all-to-alls span data-parallel ranks, so every rank must run the same number of
     micro-batches (a rank with fewer samples gets dummy rows). Megatron's variable-shape p2p path exchanges
@@ -54,13 +68,31 @@ def micro_batches(
     """
     from megatron.core import parallel_state as ps
 
-    multiple = layout.tp if layout.sequence_parallel else 1
-    lengths = shard.lengths.tolist()
-    groups = split_packed(lengths, max_tokens) if packing else split_by_token_budget(lengths, max_tokens)
+    lengths = batch.lengths.tolist()
+    partition = data_parallel_partition(lengths)
+    index = partition[ps.get_data_parallel_rank()]
+    mine = [lengths[i] for i in index]
+    groups = split_micro_batches(mine, max_tokens) if packing else split_by_token_budget(mine, max_tokens)
     count = torch.tensor([len(groups)])
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    groups = regroup(groups, micro_batch_count(int(count), layout))
+    count_needed = micro_batch_count(int(count), layout)
+    if packing:
+        groups = split_micro_batches(mine, max_tokens, min_count=count_needed)
+    else:
+        groups = regroup(groups, count_needed)
+    order = [i for g in groups for i in g]
+    index = [index[i] for i in order]
+    shard = batch.select(index)
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append(list(range(start, start + len(g))))
+        start += len(g)
+    return RankPlan(shard, index, _micro_batches(shard, ranges, layout, packing), imbalance(lengths, partition))
+
+
+def _micro_batches(shard: TokenBatch, groups: list[list[int]], layout: ParallelLayout, packing: bool):
+    multiple = layout.tp if layout.sequence_parallel else 1
     if packing:
         views = [shard.select(g, rows=max(len(g), 1)) for g in groups]
         used = max(int(v.lengths.sum()) for v in views)
@@ -150,14 +182,14 @@ def positions_below(lengths: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def gather_rows(tensors: dict[str, Any], index: list[int], total: int, dp_group) -> dict[str, Any]:
-    """Reassemble full-batch tensors from the data-parallel shards (rank r holds rows `rows_of_this_rank`)."""
+    """Reassemble full-batch tensors from the data-parallel shards (each rank holds the rows `index` names)."""
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_world_size()
-    if dp == 1:
-        return tensors
-    parts: list = [None] * dp
-    dist.all_gather_object(parts, (index, tensors), group=dp_group)
+    parts: list = [(index, tensors)]
+    if dp > 1:
+        parts = [None] * dp
+        dist.all_gather_object(parts, (index, tensors), group=dp_group)
     out: dict[str, Any] = {}
     for name, first in parts[0][1].items():
         if first is None:

@@ -21,7 +21,7 @@ import torch
 def packed_variant(cls: type) -> type:
     """A subclass of the local core attention `cls` that accepts THD `packed_seq_params`."""
 
-    class PackedCoreAttention(cls):  # type: ignore[valid-type, misc]
+    class PackedCoreAttention(cls):
         def forward(
             self,
             query: torch.Tensor,
@@ -63,8 +63,8 @@ def with_packed_local_attention(block_spec: Any) -> Any:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     def layer(spec: Any) -> Any:
-        attention = getattr(spec.submodules, "self_attention", None)
-        sub = getattr(attention, "submodules", None)
+        attention: Any = getattr(spec.submodules, "self_attention", None)
+        sub: Any = getattr(attention, "submodules", None)
         core = getattr(sub, "core_attention", None)
         if not (isinstance(core, type) and issubclass(core, DotProductAttention)):
             return spec

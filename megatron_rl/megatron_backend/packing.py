@@ -88,24 +88,3 @@ class Packing:
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
-
-
-def split_packed(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups of samples whose packed size (the sum of their lengths) stays within `max_tokens`.
-
-    A single sample longer than the budget forms a micro-batch of its own.
-    """
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    groups: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if current and used + n > max_tokens:
-            groups.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        groups.append(current)
-    return groups

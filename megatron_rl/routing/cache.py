@@ -45,13 +45,6 @@ def route_footprint(moe_layers: int, top_k: int, num_experts: int, tokens: int) 
     return RouteFootprint(per_token, tokens, per_token * max(tokens - 1, 0), dtype)
 
 
-def dp_shard_indices(num_samples: int, dp_rank: int, dp_size: int) -> list[int]:
-    """The samples data-parallel rank `dp_rank` trains on: rows r, r + dp, r + 2dp, ... (the actor's split)."""
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
-    return list(range(dp_rank, num_samples, dp_size))
-
-
 class RouteCache:
     """Routes per sample (key = position in the step's batch, or any hashable id), compact, on the host."""
 
@@ -91,11 +84,6 @@ class RouteCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._routes.values())
-
-    def keep_shard(self, keys: list, dp_rank: int, dp_size: int) -> None:
-        """Drop every sample but this data-parallel rank's share of `keys` (in batch order)."""
-        mine = {keys[i] for i in dp_shard_indices(len(keys), dp_rank, dp_size)}
-        self._routes = {k: v for k, v in self._routes.items() if k in mine}
 
     def batch_routes(self, keys: list, seq_len: int) -> torch.Tensor:
         """`[len(keys), seq_len, moe_layers, top_k]` for `TokenBatch.routes`: each sample's rows, then dummy

@@ -4,14 +4,14 @@ R2 records the routes in the old-policy pass and replays them in every update; R
 engine's routes in the old-policy pass and in every update (`routing.replay`). `StepRoutes` keeps them in a
 compact host `RouteCache` and is used by the step in four places:
 
-    routes = StepRoutes(mode, dims, epochs, rows_fed=actor.rows_fed)   # before scoring
+    routes = StepRoutes(mode, dims, epochs, lengths, rows_fed=actor.rows_fed)   # before scoring
     routes.put_rollout(samples)                                       # R3: the engine's routes
     mb = routes.attach(mini_batch, part)                              # before each scoring / update pass
     routes.after_scoring(part, scored, lengths)                       # R2: keep the recorded routes
     routes.metrics()                                                  # cache size, agreement metrics
 
-The actor says which rows of a mini-batch it feeds on this rank (`rows_fed`); other rows get placeholder
-experts that are never fed.
+The actor says which rows of a mini-batch it feeds on this rank (`rows_fed`, from the rows' sequence lengths);
+other rows get placeholder experts that are never fed.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ class StepRoutes:
         mode: ReplayMode,
         dims: RouteShape,
         epochs: list[list[list[int]]],
+        lengths: list[int],
         *,
-        rows_fed: Callable[[int], list[int]],
+        rows_fed: Callable[[list[int]], list[int]],
     ):
+        """`epochs`: each epoch's mini-batches (rows of the step's batch); `lengths`: every row's sequence length."""
         if not mode.on:
             raise ValueError("StepRoutes needs routing replay R2 or R3")
         self.mode, self.dims, self.rows_fed = mode, dims, rows_fed
-        self.mine = {part[j] for parts in epochs for part in parts for j in rows_fed(len(part))}
+        self.mine = {part[j] for parts in epochs for part in parts for j in rows_fed([lengths[i] for i in part])}
         self.cache = RouteCache(len(dims.moe_layers), dims.top_k, dims.num_experts)
         self._agreements: list[dict[str, float]] = []
 
@@ -73,7 +75,7 @@ class StepRoutes:
 
     def attach(self, mini_batch: Any, part: list[int]) -> Any:
         """`mini_batch` (rows `part` of the step's batch) with `routes` set for the rows this rank feeds."""
-        fed = set(self.rows_fed(len(part)))
+        fed = set(self.rows_fed(mini_batch.lengths.tolist()))
         keys = [i if j in fed else None for j, i in enumerate(part)]
         mini_batch.routes = self.cache.batch_routes(keys, mini_batch.input_ids.shape[1])
         return mini_batch

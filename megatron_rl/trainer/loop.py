@@ -294,7 +294,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     t = time.perf_counter()
     epochs = [mini_batch_partition(cfg, step, epoch, batch.size) for epoch in range(algo.ppo_epochs)]
     mode = ReplayMode(algo.routing_replay)
-    routes = StepRoutes(mode, actor.dims, epochs, rows_fed=actor.rows_fed) if mode.on else None
+    routes = StepRoutes(mode, actor.dims, epochs, batch.lengths.tolist(), rows_fed=actor.rows_fed) if mode.on else None
     if routes is not None:
         routes.put_rollout(samples)
     replay = replay_checks(cfg, step, first_step)

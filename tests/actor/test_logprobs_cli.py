@@ -37,9 +37,11 @@ def _score(model: Path, samples: list[dict], tmp: Path, *extra: str) -> list[dic
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_logprobs_match_transformers(tiny_moe_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", ["on", "off"])
+def test_logprobs_match_transformers(packing: str, tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """Packed (the default: several samples per micro-batch, THD) and padded scoring both match transformers."""
     samples = make_samples(vocab=128)
-    got = _score(tiny_moe_dir, samples, tmp_path)
+    got = _score(tiny_moe_dir, samples, tmp_path, "--packing", packing, "--micro-batch-tokens", "64")
     assert_matches_hf(got, hf_score(tiny_moe_dir, samples))
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.routing.cache import RouteCache, dp_shard_indices, route_footprint, routes_dtype
+from megatron_rl.routing.cache import RouteCache, route_footprint, routes_dtype
 
 
 def test_dtype_by_expert_count() -> None:
@@ -35,14 +35,3 @@ def test_cache_checks_alignment_and_pads_batches() -> None:
     assert routes.shape == (1, 7, 2, 2)
     assert routes[0, :4].tolist() == [[[1, 2], [3, 4]]] * 4
     assert routes[0, 4:].tolist() == [[[0, 1], [0, 1]]] * 3  # last token and padding: distinct dummies
-
-
-def test_dp_sharding_keeps_own_samples() -> None:
-    assert dp_shard_indices(7, 0, 2) == [0, 2, 4, 6]
-    assert dp_shard_indices(7, 1, 2) == [1, 3, 5]
-    cache = RouteCache(1, 1, 4)
-    keys = [f"s{i}" for i in range(5)]
-    for k in keys:
-        cache.put(k, torch.zeros(2, 1, 1), num_tokens=3)
-    cache.keep_shard(keys, dp_rank=1, dp_size=2)
-    assert sorted(k for k in keys if k in cache) == ["s1", "s3"]
