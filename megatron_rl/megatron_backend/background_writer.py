@@ -122,6 +122,9 @@ class WriterThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # The thread works on this rank's GPU, if any (a new thread starts on device 0: its CUDA calls, the wait for
+        # the snapshot's copies included, must not create a context on another rank's device).
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(target=self._serve, name="checkpoint-writer", daemon=True).start()
 
     def stop(self) -> None:
@@ -142,6 +145,8 @@ class WriterThread:
         return done
 
     def _serve(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while (job := self._jobs.get()) is not None:
             job()
 

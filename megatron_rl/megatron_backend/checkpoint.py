@@ -204,6 +204,8 @@ def _reports_out_of_space(save):
 
         try:
             return save(actor, root, step, *args, **kwargs)
+        except CheckpointError:
+            raise  # already the one line (a background save in flight that failed, reported by its wait)
         except (Exception, CheckpointException) as err:
             report = _out_of_space_error(err, Path(root), step)
             if report is None:

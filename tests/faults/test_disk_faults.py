@@ -48,31 +48,34 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.parametrize("async_save", ["false", "true"])
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(
-    fault_model: Path, reference: Reference, tmp_path: Path
+    fault_model: Path, reference: Reference, tmp_path: Path, async_save: str
 ) -> None:
-    """Room for one checkpoint and a half: the second save fails. One line says "no space left" and names the
+    """Room for one checkpoint and a half: the second save fails (written in the background: the failure is
+    reported by the next save, which waits for it). One line says "no space left" for step 2 and names the
     folder, `latest` still names step 1, the partial save is gone; with room again the run resumes from step 1
     and ends exactly as the uninterrupted run."""
     disk = tmp_path / "disk"
+    mode = f"trainer.async_save={async_save}"
     checkpoint_bytes = _size(reference.final)
     room = checkpoint_bytes * 3 // 2 + (256 << 10)
     if _mount_tmpfs(disk, f"size={room}"):  # a real ENOSPC
         with _mounted(disk):
             out = disk / "run"
-            code, output = train(out, fault_model)
+            code, output = train(out, fault_model, mode)
             _check_refused(code, output, out)
             subprocess.run(["mount", "-o", f"remount,size={64 << 20}", str(disk)], check=True)
-            _check_resumes_exactly(out, fault_model, reference)
+            _check_resumes_exactly(out, fault_model, reference, mode)
         return
     # Without root: a file-size limit (EFBIG) on a resumed run that must write its second checkpoint.
     out = tmp_path / "run"
-    code, output = train(out, fault_model, "trainer.steps=1")
+    code, output = train(out, fault_model, "trainer.steps=1", mode)
     assert code == 0, output[-3000:]
     largest = max(f.stat().st_size for f in reference.final.rglob("*") if f.is_file())
-    code, output = train(out, fault_model, preexec_fn=_file_size_limit(largest // 2))
+    code, output = train(out, fault_model, mode, preexec_fn=_file_size_limit(largest // 2))
     _check_refused(code, output, out)
-    _check_resumes_exactly(out, fault_model, reference)
+    _check_resumes_exactly(out, fault_model, reference, mode)
 
 
 def _check_refused(code: int, output: str, out: Path) -> None:
@@ -80,13 +83,14 @@ def _check_refused(code: int, output: str, out: Path) -> None:
     errors = error_lines(output)
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
     assert "no space left" in errors[0] and str(out / "checkpoints") in errors[0], errors[0]
+    assert "checkpoint step_000000002" in errors[0], errors[0]
     assert latest(out) is not None and latest(out).name == "step_000000001"
     assert (latest(out) / "COMPLETE").is_file()
     assert not list((out / "checkpoints").glob(".tmp_step_*")), "the partial save was left behind"
 
 
-def _check_resumes_exactly(out: Path, model: Path, reference: Reference) -> None:
-    code, output = train(out, model)
+def _check_resumes_exactly(out: Path, model: Path, reference: Reference, mode: str) -> None:
+    code, output = train(out, model, mode)
     assert code == 0, output[-3000:]
     assert "step_000000001" in output  # resumed from the checkpoint the failed save left as latest
     rows = history(out)
