@@ -8,8 +8,9 @@
 # Run there:  bash scripts/gpu_check.sh      (results under $OUT, default ./gpu_check_out)
 #
 # What it checks, all on CUDA: the Qwen3-MoE HF parity of `megatron-rl logprobs` (log-probs, entropy,
-# routed experts vs transformers), the single-process actor invariants (export bitwise, ppo_kl == 0 on
-# the first update, loss falls, reference swap), with the TE layer spec when Transformer Engine imports
+# routed experts vs transformers, with packed (THD through Transformer Engine's attention) and padded
+# micro-batches), the single-process actor invariants (export bitwise, ppo_kl == 0 on the first update, loss
+# falls, reference swap, packed vs padded within 1e-6), with the TE layer spec when Transformer Engine imports
 # and the local spec otherwise; the kernel tests compiled by Triton (not the interpreter) and the log-prob
 # kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark (JSON copied to $OUT);
 # the optimizer CPU offload (Megatron's HybridDeviceOptimizer with the precision-aware optimizer): three updates

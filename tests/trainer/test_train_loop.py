@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -172,7 +173,10 @@ def test_algorithms_run_by_override(warmed: Path, tmp_path: Path, overrides: lis
     assert trained, "no step trained"
     for r in trained:
         assert r["actor/ppo_kl_first"] == 0.0
-        assert r["actor/grad_norm"] == r["actor/grad_norm"] and r["actor/grad_norm"] < 1e3
+        # Finite; not bounded: a negative-advantage token whose ratio grew has an unclipped PPO gradient (no dual
+        # clip), e.g. 4594 in DAPO's second update on one warmed-up model (the same before and after packing);
+        # trainer.clip_grad bounds the step.
+        assert math.isfinite(r["actor/grad_norm"])
     if "algo.preset=grpo" in overrides and len(overrides) == 1:
         assert all(r["actor/kl_ref"] >= 0.0 for r in trained)  # GRPO keeps a KL-to-reference term
 
