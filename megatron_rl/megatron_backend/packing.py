@@ -10,6 +10,7 @@ more segment of its own and never reaches a loss.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,13 +57,17 @@ class Packing:
         """`[1, total]`: each token's position within its own segment."""
         return torch.cat([torch.arange(n) for n in self.segments()]).unsqueeze(0)
 
-    def _index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, columns) of the per-sample layout, in packed order, for the samples' tokens."""
+    @functools.cached_property
+    def _rows_cols(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.cat([torch.full((n,), j) for j, n in enumerate(self.lengths)])
         cols = torch.cat([torch.arange(n) for n in self.lengths])
-        if cols.numel() and int(cols.max()) >= width:
-            raise ValueError(f"a sample of {int(cols.max()) + 1} tokens does not fit the per-sample width {width}")
         return rows, cols
+
+    def _index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the per-sample layout, in packed order, for the samples' tokens."""
+        if max(self.lengths) > width:
+            raise ValueError(f"a sample of {max(self.lengths)} tokens does not fit the per-sample width {width}")
+        return self._rows_cols
 
     def pack(self, per_sample: torch.Tensor, fill: int | float | bool = 0) -> torch.Tensor:
         """`[n, s, ...]` -> `[1, total, ...]`: the samples' first `lengths[j]` positions end to end, then `fill`."""
