@@ -3,8 +3,9 @@
 Megatron-Core's local `DotProductAttention` refuses `packed_seq_params` (only Transformer Engine's attention takes
 the THD format). Everything around it already handles THD: the attention module squeezes the batch dimension and
 applies rotary embeddings per segment from `cu_seqlens`. `with_packed_local_attention` swaps each local core
-attention class of a decoder block spec for a subclass that runs the parent's own causal attention once per
-segment, so a packed sample is computed exactly as the same sample alone. Transformer Engine's attention is left
+attention class of a decoder block spec for a subclass that runs the parent's own causal attention on the
+segments, grouped by length into padded batches, so a packed sample is computed as the same sample alone (up to
+rounding). Transformer Engine's attention is left
 as it is (it runs THD natively on the GPU).
 """
 
@@ -39,22 +40,42 @@ def packed_variant(cls: type) -> type:
             if attention_mask is not None:
                 raise ValueError("packed sequences take their causal masks from cu_seqlens, not an attention mask")
             # query/key/value arrive [tokens, heads, dim] (the attention squeezed the batch dimension).
-            cu = packed_seq_params.cu_seqlens_q.tolist()
-            outputs = [
-                super(PackedCoreAttention, self).forward(
-                    query[a:b].unsqueeze(1),
-                    key[a:b].unsqueeze(1),
-                    value[a:b].unsqueeze(1),
-                    None,
-                    attn_mask_type,
-                    attention_bias,
-                )  # fmt: skip
-                for a, b in zip(cu[:-1], cu[1:], strict=True)
-            ]
-            return torch.cat(outputs, dim=0)  # [tokens, 1, heads * dim]
+            out: torch.Tensor | None = None
+            for gather, scatter, keep in _length_buckets(packed_seq_params.cu_seqlens_q.tolist(), query.device):
+                context = super().forward(
+                    query[gather], key[gather], value[gather], None, attn_mask_type, attention_bias
+                )  # [longest, samples, heads * dim]
+                values = context.reshape(-1, context.shape[-1])[keep]
+                if out is None:
+                    out = values.new_zeros(query.shape[0], values.shape[-1])
+                out = out.index_put((scatter,), values)
+            assert out is not None
+            return out.unsqueeze(1)  # [tokens, 1, heads * dim]
 
     PackedCoreAttention.__name__ = PackedCoreAttention.__qualname__ = f"Packed{cls.__name__}"
     return PackedCoreAttention
+
+
+def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """The segments of a packed row grouped by length (those in (2^(j-1), 2^j] together), each group as one padded
+    batch for the parent's causal attention: `(gather [longest, samples] token indices, scatter [real tokens] their
+    packed positions, keep [real tokens] their places in the flattened batch)`.
+
+    One attention call per group instead of one per sample; within a group a sample is padded at most to twice its
+    length, and positions past its end repeat its last token, which no earlier position attends to (causal)."""
+    starts, lengths = cu_seqlens[:-1], [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    groups: dict[int, list[int]] = {}
+    for j, n in enumerate(lengths):
+        groups.setdefault(max(n - 1, 0).bit_length(), []).append(j)
+    out = []
+    for members in groups.values():
+        start = torch.tensor([starts[j] for j in members])
+        length = torch.tensor([lengths[j] for j in members])
+        pos = torch.arange(int(length.max())).unsqueeze(1)  # [longest, 1]
+        gather = start + torch.minimum(pos, length - 1)  # [longest, samples]
+        real = pos < length
+        out.append((gather.to(device), gather[real].to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
+    return out
 
 
 def with_packed_local_attention(block_spec: Any) -> Any:
