@@ -67,7 +67,7 @@ def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[t
     groups: dict[int, list[int]] = {}
     for j, n in enumerate(lengths):
         groups.setdefault(max(n - 1, 0).bit_length(), []).append(j)
-    out = []
+    out: list[tuple[torch.Tensor, ...]] = []
     for members in groups.values():
         start = torch.tensor([starts[j] for j in members])
         length = torch.tensor([lengths[j] for j in members])
