@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.plugins import load_dotted
+from megatron_rl.rollout.plugins import load_dotted, lookup
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.trajectory import Trajectory
 
@@ -80,11 +80,7 @@ def get_env(name: str | EnvFactory) -> EnvFactory:
     keyword arguments) for one episode's environment."""
     if callable(name):
         return name
-    factory = ENVIRONMENTS.get(name)
-    if factory is None:
-        if "." not in name:
-            raise ValueError(f"unknown environment {name!r}: not one of {sorted(ENVIRONMENTS)} nor a dotted path")
-        factory = load_dotted(name, "environment")
+    factory = lookup(name, ENVIRONMENTS, "environment")
     if not callable(factory):
         raise ValueError(f"environment {name!r} is a {type(factory).__name__}, not a class or factory")
     return factory

@@ -7,6 +7,7 @@ custom generate functions and tools all load theirs here.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -20,3 +21,12 @@ def load_dotted(path: str, kind: str) -> Any:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot load {kind} {path!r}: {err}") from err
+
+
+def lookup(name: str, registry: Mapping[str, Any], kind: str) -> Any:
+    """`registry[name]`, else the object at the dotted path `name`; a ValueError naming the choices otherwise."""
+    if name in registry:
+        return registry[name]
+    if ":" not in name and "." not in name:
+        raise ValueError(f"unknown {kind} {name!r}: not one of {sorted(registry)} nor a dotted path")
+    return load_dotted(name, kind)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from megatron_rl.rollout.plugins import load_dotted
+from megatron_rl.rollout.plugins import lookup
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,4 @@ TOOL_CALL_FORMATS: dict[str, Callable[[], ToolCallFormat]] = {"hermes": HermesFo
 
 def get_tool_call_format(name: str) -> ToolCallFormat:
     """A registered format ("hermes", "qwen3") or a dotted path to a format class."""
-    factory = TOOL_CALL_FORMATS.get(name) or (load_dotted(name, "tool-call format") if "." in name else None)
-    if factory is None:
-        raise ValueError(f"unknown tool-call format {name!r}: not one of {sorted(TOOL_CALL_FORMATS)} nor a dotted path")
-    return factory()
+    return lookup(name, TOOL_CALL_FORMATS, "tool-call format")()

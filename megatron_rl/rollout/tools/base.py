@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from megatron_rl.rollout.plugins import load_dotted
+from megatron_rl.rollout.plugins import lookup
 
 
 class Tool(Protocol):
@@ -37,10 +37,7 @@ def register_tool(name: str) -> Callable[[ToolFactory], ToolFactory]:
 
 def get_tool(name: str, **options: Any) -> Tool:
     """A registered tool or a dotted path to a tool class, built with `options`."""
-    factory = TOOLS.get(name) or (load_dotted(name, "tool") if "." in name else None)
-    if factory is None:
-        raise ValueError(f"unknown tool {name!r}: not one of {sorted(TOOLS)} nor a dotted path")
-    return factory(**options)
+    return lookup(name, TOOLS, "tool")(**options)
 
 
 def tool_schema(tool: Tool) -> dict[str, Any]:
