@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.plugins import load_dotted, lookup
+from megatron_rl.rollout.plugins import load_dotted, lookup, register_in
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.trajectory import Trajectory
 
@@ -65,14 +65,7 @@ ENVIRONMENTS: dict[str, EnvFactory] = {}
 
 def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
     """Decorator: make the environment class (or factory) available as `get_env(name)`."""
-
-    def add(factory: EnvFactory) -> EnvFactory:
-        if name in ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is already registered")
-        ENVIRONMENTS[name] = factory
-        return factory
-
-    return add
+    return register_in(ENVIRONMENTS, "environment", name)
 
 
 def get_env(name: str | EnvFactory) -> EnvFactory:

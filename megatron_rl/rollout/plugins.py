@@ -1,14 +1,17 @@
-"""Loading user extensions by dotted path ("package.module:name" or "package.module.name").
+"""Registries of named extensions, and loading user extensions by dotted path ("package.module:name" or
+"package.module.name").
 
-slime's extension points (custom reward, custom generate, custom filter) are such paths; rewards, environments,
-custom generate functions and tools all load theirs here.
+slime's extension points (custom reward, custom generate, custom filter) are such paths; environments, custom
+generate functions, tool-call formats and tools register and load theirs here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def load_dotted(path: str, kind: str) -> Any:
@@ -30,3 +33,15 @@ def lookup(name: str, registry: Mapping[str, Any], kind: str) -> Any:
     if ":" not in name and "." not in name:
         raise ValueError(f"unknown {kind} {name!r}: not one of {sorted(registry)} nor a dotted path")
     return load_dotted(name, kind)
+
+
+def register_in(registry: dict[str, T], kind: str, name: str) -> Callable[[T], T]:
+    """Decorator: add the object to `registry` under `name` (a ValueError when the name is taken)."""
+
+    def add(obj: T) -> T:
+        if name in registry:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        registry[name] = obj
+        return obj
+
+    return add

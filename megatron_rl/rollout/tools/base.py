@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from megatron_rl.rollout.plugins import lookup
+from megatron_rl.rollout.plugins import lookup, register_in
 
 
 class Tool(Protocol):
@@ -25,14 +25,7 @@ TOOLS: dict[str, ToolFactory] = {}
 
 def register_tool(name: str) -> Callable[[ToolFactory], ToolFactory]:
     """Decorator: make the tool class available as `get_tool(name)`."""
-
-    def add(factory: ToolFactory) -> ToolFactory:
-        if name in TOOLS:
-            raise ValueError(f"tool {name!r} is already registered")
-        TOOLS[name] = factory
-        return factory
-
-    return add
+    return register_in(TOOLS, "tool", name)
 
 
 def get_tool(name: str, **options: Any) -> Tool:
