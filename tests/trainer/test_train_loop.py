@@ -213,8 +213,9 @@ def test_colocated_memory_phases_change_nothing_but_memory(warmed: Path, tmp_pat
     assert [r["step"] for r in swapped] == [0, 1, 2, 3] and "eval/accuracy" in swapped[2]
     for a, b in zip(resident, swapped, strict=True):
         for key, value in a.items():
-            if key.startswith("mismatch/"):  # engine log-probs: same weights bitwise, buffers at other addresses
-                assert b[key] == pytest.approx(value, rel=0.05, abs=1e-7), key
+            if key.startswith("mismatch/"):  # engine log-probs: same weights bitwise, buffers at other addresses,
+                # so fp32 rounding differs by a few 1e-6 (seen: a max |diff| of 4.1e-6 vs 6.9e-6)
+                assert b[key] == pytest.approx(value, rel=0.05, abs=1e-5), key
             elif not key.startswith(("time/", "perf/")):
                 assert b[key] == value, key
     for record in swapped[1:]:
