@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+ALONE_FROM = 128  # tokens: a segment this long gets an attention call of its own
+
 
 @functools.cache
 def packed_variant(cls: type) -> type:
@@ -57,16 +59,19 @@ def packed_variant(cls: type) -> type:
 
 
 def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """The segments of a packed row grouped by length (those in (2^(j-1), 2^j] together), each group as one padded
-    batch for the parent's causal attention: `(gather [longest, samples] token indices, scatter [real tokens] their
-    packed positions, keep [real tokens] their places in the flattened batch)`.
+    """The segments of a packed row grouped for the parent's causal attention, each group as one padded batch:
+    `(gather [longest, samples] token indices, scatter [real tokens] their packed positions, keep [real tokens] their
+    places in the flattened batch)`.
 
-    One attention call per group instead of one per sample; within a group a sample is padded at most to twice its
-    length, and positions past its end repeat its last token, which no earlier position attends to (causal)."""
+    Segments shorter than `ALONE_FROM` tokens are grouped by length (those in (2^(j-1), 2^j] together: one call per
+    group rather than per sample, each padded at most to twice its length); longer ones, whose quadratic cost
+    outweighs a call's overhead, run alone. Positions past a segment's end repeat its last token, which no earlier
+    position attends to (causal)."""
     starts, lengths = cu_seqlens[:-1], [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}
     for j, n in enumerate(lengths):
-        groups.setdefault(max(n - 1, 0).bit_length(), []).append(j)
+        key = (max(n - 1, 0).bit_length(), 0) if n < ALONE_FROM else (0, j + 1)
+        groups.setdefault(key, []).append(j)
     out: list[tuple[torch.Tensor, ...]] = []
     for members in groups.values():
         start = torch.tensor([starts[j] for j in members])
