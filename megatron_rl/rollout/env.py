@@ -60,7 +60,8 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[..., Environment]  # a class, or a function taking the environment's options as keywords
-ENVIRONMENTS: dict[str, EnvFactory] = {}
+# Built-ins are registered by path: their modules import this one.
+ENVIRONMENTS: dict[str, EnvFactory | str] = {"tools": "megatron_rl.rollout.tool_env:ToolEnv"}
 
 
 def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:

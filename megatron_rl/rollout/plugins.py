@@ -8,7 +8,7 @@ generate functions, tool-call formats and tools register and load theirs here.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,15 +27,17 @@ def load_dotted(path: str, kind: str) -> Any:
 
 
 def lookup(name: str, registry: Mapping[str, Any], kind: str) -> Any:
-    """`registry[name]`, else the object at the dotted path `name`; a ValueError naming the choices otherwise."""
+    """`registry[name]` (a string value is a dotted path, loaded now), else the object at the dotted path `name`; a
+    ValueError naming the choices otherwise."""
     if name in registry:
-        return registry[name]
+        found = registry[name]
+        return load_dotted(found, kind) if isinstance(found, str) else found
     if ":" not in name and "." not in name:
         raise ValueError(f"unknown {kind} {name!r}: not one of {sorted(registry)} nor a dotted path")
     return load_dotted(name, kind)
 
 
-def register_in(registry: dict[str, T], kind: str, name: str) -> Callable[[T], T]:
+def register_in(registry: MutableMapping[str, Any], kind: str, name: str) -> Callable[[T], T]:
     """Decorator: add the object to `registry` under `name` (a ValueError when the name is taken)."""
 
     def add(obj: T) -> T:

@@ -13,6 +13,7 @@ overlong single-turn response (so overlong masking or penalties apply to it unch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from megatron_rl.rollout.sample import FinishReason
@@ -105,17 +106,20 @@ class TrajectoryBuilder:
         if finish_reason != "stop":
             self.ended = self.ended or finish_reason
 
-    def add_observation(self, token_ids: list[int], *, reward: float = 0.0, metrics: dict[str, float] | None = None):
-        """Append the environment's answer to the last turn (untrained), with its reward contribution and
-        counters; cut at the token limit (the trajectory then ends with "length")."""
+    def add_observation(self, token_ids: list[int]) -> None:
+        """Append the environment's answer to the last turn (untrained); cut at the token limit (the trajectory then
+        ends with "length")."""
         if self.ended is not None:
             raise ValueError(f"the trajectory already ended ({self.ended})")
         kept = self._fit(len(token_ids))
         self.response_ids += token_ids[:kept]
         self.loss_mask += [0] * kept
         self.log_probs += [0.0] * kept
+
+    def credit(self, reward: float, metrics: Mapping[str, float]) -> None:
+        """Add an environment step's reward contribution and counters to the trajectory's sums."""
         self.reward += reward
-        for name, value in (metrics or {}).items():
+        for name, value in metrics.items():
             self.metrics[name] = self.metrics.get(name, 0.0) + value
 
     def _fit(self, n: int) -> int:

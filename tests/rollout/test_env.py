@@ -61,13 +61,12 @@ def test_an_environment_drives_a_trajectory():
         b.add_turn(ids, [-1.0] * len(ids), "v3", "stop")
         result = env.step(text, ids)
         done = result.done
+        b.credit(result.reward, result.info)
         if not done:
-            b.add_observation(result.observation, reward=result.reward, metrics=result.info)
-        else:
-            b.reward += result.reward
+            b.add_observation(result.observation)
     t = b.build(done=done)
     assert t.tokens == [1, 2, 5, 6, 101, 7] and t.loss_mask == [1, 1, 0, 1]
-    assert (t.finish_reason, t.reward, t.metrics) == ("stop", 1.0, {"turns": 1.0})
+    assert (t.finish_reason, t.reward, t.metrics) == ("stop", 1.0, {"turns": 2.0})
 
 
 def test_the_docstring_environment_is_complete():

@@ -11,9 +11,11 @@ def test_hand_built_trajectory_masks_exactly_the_generated_tokens():
     b = TrajectoryBuilder([1, 2, 3], max_turns=4, max_tokens=100)
     b.add_turn([10, 11, 12], [-0.1, -0.2, -0.3], "v1", "stop")
     assert b.tokens == [1, 2, 3, 10, 11, 12]  # the next turn's prompt
-    b.add_observation([20, 21], reward=0.5, metrics={"tool_calls": 1})
+    b.add_observation([20, 21])
+    b.credit(0.5, {"tool_calls": 1})
     b.add_turn([13, 14], [-0.4, -0.5], "v2", "stop")
-    b.add_observation([22], reward=0.25, metrics={"tool_calls": 1, "tool_errors": 1})
+    b.add_observation([22])
+    b.credit(0.25, {"tool_calls": 1, "tool_errors": 1})
     b.add_turn([15], [-0.6], "v2", "stop")
     t = b.build(done=True)
 

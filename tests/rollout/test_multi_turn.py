@@ -1,0 +1,121 @@
+"""Multi-turn rollouts through an engine: the tool environment, and per-turn engine log-probs aligned to the final
+sequence (local engine against teacher forcing of that sequence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.env import StepResult, get_env
+from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.multi_turn import TurnLimits, generate_with_envs
+from megatron_rl.rollout.prompts import Prompt
+from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.tool_env import ToolEnv
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+
+
+def test_tool_env_runs_calls_and_ends_on_an_answer():
+    env = get_env("tools")(tools=["calculator", "python"], tool_options={"python": {"timeout_s": 10.0}})
+    assert isinstance(env, ToolEnv) and env.tools["python"].timeout_s == 10.0
+    bad = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+    result = env.step(CALL + "\n" + bad + "<|im_end|>", [])
+    assert result == StepResult(
+        "\n<|im_start|>user\n<tool_response>\n84\n</tool_response>\n<tool_response>\nerror: unknown tool 'search'; "
+        "available: calculator, python\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        info={"tool_calls": 2, "tool_errors": 1},
+    )
+    assert env.step("84<|im_end|>", []) == StepResult("", done=True)
+
+
+class ScriptedEngine:
+    """A `RolloutEngine` that answers turn t with the t-th text of its script (log-prob -0.5 per token)."""
+
+    def __init__(self, tokenizer, script: list[str]):
+        self.tokenizer, self.script = tokenizer, script
+        self.seen: list[tuple[list[list[int]], SamplingParams]] = []
+        self.weight_version = "v0"
+
+    def generate(self, prompts, params, *, n=1, return_routed_experts=False):
+        self.seen.append((prompts, params))
+        ids = self.tokenizer(self.script[len(self.seen) - 1], add_special_tokens=False)["input_ids"][
+            : params.max_new_tokens
+        ]
+        return [Sample(p, list(ids), [-0.5] * len(ids), "stop", f"v{len(self.seen)}") for p in prompts]
+
+
+def test_tool_trajectory_through_an_engine(tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL + "<|im_end|>", "84<|im_end|>"])
+    prompt = Prompt("q", tokenizer("12*7?", add_special_tokens=False)["input_ids"])
+    (t,) = generate_with_envs(
+        engine,
+        [ToolEnv()],
+        [prompt],
+        SamplingParams(max_new_tokens=200, seed=5),
+        tokenizer,
+        TurnLimits(max_turns=4, max_tokens=400),
+    )
+    observation = "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(t.response_ids) == CALL + "<|im_end|>" + observation + "84<|im_end|>"
+    n_call = len(tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"])
+    n_obs = len(tokenizer(observation, add_special_tokens=False)["input_ids"])
+    assert t.loss_mask == [1] * n_call + [0] * n_obs + [1] * 3
+    assert t.response_log_probs == [-0.5] * n_call + [0.0] * n_obs + [-0.5] * 3
+    assert (t.finish_reason, t.weight_versions, t.metrics) == (
+        "stop",
+        ["v1", "v2"],
+        {"tool_calls": 1, "tool_errors": 0},
+    )
+    assert engine.seen[1][0] == [t.tokens[: t.response_start + n_call + n_obs]]  # turn 2 continues the sequence
+    assert [params.seed for _, params in engine.seen] == [5, 6]
+
+
+class Echo:
+    """Answers every turn with a fixed observation; never done."""
+
+    def reset(self, prompt: Prompt) -> list[int]:
+        return prompt.token_ids
+
+    def step(self, text: str, token_ids: list[int]) -> StepResult:
+        return StepResult("|obs|", info={"turns": 1})
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+
+
+@torch.no_grad()
+def test_engine_log_probs_of_every_turn_equal_scoring_the_final_sequence(engine: LocalEngine, hf_model, tokenizer):
+    prompts = [Prompt("a", [10, 11, 12, 13]), Prompt("b", [20, 21])]
+    stop = tuple(range(64, 128))  # about half the vocabulary ends a turn: short turns that stop by themselves
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=0, stop_token_ids=stop)
+    trajectories = generate_with_envs(engine, [Echo(), Echo()], prompts, params, tokenizer, TurnLimits(3, 200))
+    obs = tokenizer("|obs|", add_special_tokens=False)["input_ids"]
+    for t in trajectories:
+        assert (len(t.turns), t.metrics, t.finish_reason) == (3, {"turns": 3.0}, "length")  # max_turns reached
+        assert all(t.response_ids[turn.end - 1] in stop for turn in t.turns)
+        for k, turn in enumerate(t.turns[:-1]):  # each observation follows its turn, untrained
+            assert t.response_ids[turn.end : t.turns[k + 1].start] == obs
+        assert t.loss_mask == [int(any(u.start <= i < u.end for u in t.turns)) for i in range(len(t.response_ids))]
+        logits = hf_model(input_ids=torch.tensor([t.tokens[:-1]])).logits[0].float()
+        scored = torch.log_softmax(logits[t.response_start - 1 :], -1).gather(-1, torch.tensor(t.response_ids)[:, None])
+        mask = np.array(t.loss_mask, dtype=bool)
+        assert mask.sum() > 3
+        np.testing.assert_allclose(np.array(t.response_log_probs)[mask], scored[:, 0].numpy()[mask], atol=1e-5, rtol=0)
+        assert np.all(np.array(t.response_log_probs)[~mask] == 0.0)
+
+
+def test_token_limit_ends_trajectories_exactly_at_max_tokens(engine: LocalEngine, tokenizer):
+    params = SamplingParams(max_new_tokens=50, temperature=1.0, seed=1, stop_token_ids=tuple(range(64, 128)))
+    prompts = [Prompt("a", [10, 11, 12]), Prompt("b", [20])]
+    trajectories = generate_with_envs(engine, [Echo(), Echo()], prompts, params, tokenizer, TurnLimits(10, 24))
+    for t in trajectories:
+        assert len(t.tokens) == 24 and t.finish_reason == "length"
+        assert len(t.turns) > 1 and len(t.loss_mask) == len(t.response_log_probs) == 24 - len(t.prompt_ids)
