@@ -139,6 +139,23 @@ def test_escapes_are_refused_and_reported(sandbox: PythonSandbox, code: str, err
     assert not os.path.exists("/tmp/megatron_rl_sandbox_escape") and not os.path.exists("/tmp/pwned")
 
 
+def _unprivileged_sandbox() -> PythonSandbox:
+    """As root, RLIMIT_NPROC needs the child to run as another user (with an interpreter that user can run)."""
+    if os.geteuid() != 0:
+        return PythonSandbox(timeout_s=10.0)
+    if not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("running as root and no /usr/bin/python3 for an unprivileged child")
+    return PythonSandbox(timeout_s=10.0, user=65534, interpreter="/usr/bin/python3")
+
+
+def test_the_kernel_refuses_new_threads_and_processes():
+    """Threads pass the audit hook: it is RLIMIT_NPROC that stops them (and so any fork the hook would miss)."""
+    code = "import os, threading\nprint(os.getuid() != 0)\nthreading.Thread(target=print).start()"
+    answer = _unprivileged_sandbox()({"code": code})
+    assert answer.startswith("True\nstderr:\n")
+    assert _last_line(answer) == ("RuntimeError: can't start new thread", "exit status 1")
+
+
 def test_output_is_bounded(sandbox: PythonSandbox):
     assert sandbox({"code": "print('x' * 10_000)"}) == "x" * 200 + "... [truncated]"
     answer = sandbox({"code": "import sys\nsys.stdout.write('y' * (2 << 20))"})  # past RLIMIT_FSIZE (1 MiB)
@@ -149,5 +166,7 @@ def test_output_is_bounded(sandbox: PythonSandbox):
 def test_bad_arguments_and_registry():
     assert get_tool("python")({"program": "1"}) == 'error: python needs "code" as a string'
     assert get_tool("python", timeout_s=2.0).timeout_s == 2.0
+    missing = PythonSandbox(interpreter="/nonexistent/python")
+    assert missing({"code": "1"}) == "error: the sandbox could not start (FileNotFoundError)"  # logged, not raised
     with pytest.raises(ValueError, match="unknown tool 'browser'"):
         get_tool("browser")

@@ -8,7 +8,7 @@ Kernel-enforced (the code cannot lift them):
     RLIMIT_FSIZE `file_mb` per file written (its stdout/stderr are files too, so output is bounded),
     RLIMIT_CORE 0, RLIMIT_NOFILE 64, hard limits (CPU: SIGXCPU at `cpu_s`, SIGKILL one second later);
   * RLIMIT_NPROC 0: no fork and no thread, but Linux does not apply it to root; pass `user` (e.g. 65534,
-    "nobody") to run the child as an unprivileged user when the trainer runs as root (the interpreter and this
+    "nobody") to run the child as an unprivileged user when the trainer runs as root (`interpreter` and this
     package must then be readable by that user), which also makes file permissions apply;
   * a fresh temporary working directory, deleted afterwards; an empty environment; `python -I -S` (no user site,
     no site-packages, no PYTHON* variables, no script directory on sys.path): the standard library only.
@@ -24,6 +24,7 @@ networking off (or wrap the command in `unshare -n` / bubblewrap).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.rollout.tools.base import register_tool, string_argument
+
+logger = logging.getLogger(__name__)
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 
@@ -68,8 +71,12 @@ class PythonSandbox:
         file_mb: int = 16,
         output_chars: int = 2000,
         user: int | None = None,
+        interpreter: str = sys.executable,
     ):
+        """`user`: run the child as this uid (and gid), e.g. 65534; `interpreter`: the Python (3.10+) to run, which
+        `user` must be able to execute (a root-only pyenv under /root is not; /usr/bin/python3 usually is)."""
         self.timeout_s, self.cpu_s, self.output_chars, self.user = timeout_s, cpu_s, output_chars, user
+        self.interpreter = interpreter
         self.memory_bytes, self.file_bytes = memory_mb << 20, file_mb << 20
 
     def run(self, code: str) -> SandboxResult:
@@ -77,8 +84,9 @@ class PythonSandbox:
             workdir = Path(root, "work")
             workdir.mkdir()
             if self.user is not None:
+                os.chmod(root, 0o711)  # the user may pass through to its working directory, not list the rest
                 os.chown(workdir, self.user, self.user)
-            argv = [sys.executable, "-I", "-S", str(CHILD), str(workdir), str(self.cpu_s)]
+            argv = [self.interpreter, "-I", "-S", str(CHILD), str(workdir), str(self.cpu_s)]
             argv += [str(self.memory_bytes), str(self.file_bytes)]
             with open(Path(root, "stdout"), "w+b") as out, open(Path(root, "stderr"), "w+b") as err:
                 proc = subprocess.Popen(
@@ -112,7 +120,11 @@ class PythonSandbox:
         code = string_argument(arguments, "code")
         if code is None:
             return 'error: python needs "code" as a string'
-        return describe(self.run(code), self.timeout_s)
+        try:
+            return describe(self.run(code), self.timeout_s)
+        except OSError as err:  # the interpreter could not be started (e.g. not readable by `user`)
+            logger.warning("the Python sandbox could not run: %s", err)
+            return f"error: the sandbox could not start ({type(err).__name__})"
 
 
 def _kill_group(pid: int) -> None:
