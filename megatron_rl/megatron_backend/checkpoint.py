@@ -3,10 +3,10 @@
 The directory layout, the state files and the atomic publish are `checkpoint_format`'s.
 
 A save writes everything under a temporary name and renames it when every rank has finished, so a
-crash mid-save leaves the previous checkpoint as `latest`; a background save (`BackgroundSaves`) renames it
-when its writer threads have finished, before the next save starts. Model weights reshard to any TP/EP/PP
-layout (Megatron's sharded tensors carry global keys); the distributed optimizer's state uses the
-`dp_reshardable` format, which reshards across data-parallel sizes only.
+crash mid-save leaves the previous checkpoint as `latest`; a background save (`BackgroundSaves`) is renamed by
+its writer thread once every rank's files are written, and the next save waits for it. Model weights reshard
+to any TP/EP/PP layout (Megatron's sharded tensors carry global keys); the distributed optimizer's state uses
+the `dp_reshardable` format, which reshards across data-parallel sizes only.
 """
 
 from __future__ import annotations
