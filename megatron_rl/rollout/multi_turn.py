@@ -31,6 +31,8 @@ def generate_with_envs(
     params: SamplingParams,
     tokenizer,
     limits: TurnLimits,
+    *,
+    return_routed_experts: bool = False,
 ) -> list[Trajectory]:
     """One trajectory per (environment, prompt) pair; a fresh environment each (they keep state).
 
@@ -38,6 +40,7 @@ def generate_with_envs(
     after a special token, like ``<|im_end|>``, tokenizes the same as in the whole conversation). The environment
     reads each turn decoded with its special tokens. A turn the engine cut or aborted ends its trajectory unseen by
     the environment. With `params.seed` set, turn t is sampled with seed + t (give each sample its own seed).
+    `return_routed_experts`: each trajectory gets the routes of its final sequence (see `trajectory`).
     """
     if len(envs) != len(prompts):
         raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts")
@@ -54,13 +57,14 @@ def generate_with_envs(
             max_new_tokens=min(params.max_new_tokens, max(builders[i].remaining_tokens for i in active)),
             seed=None if params.seed is None else params.seed + turn,
         )
-        samples = engine.generate([builders[i].tokens for i in active], turn_params, n=1)
-        for i, sample in zip(active, samples, strict=True):
+        prompts_now = [builders[i].tokens for i in active]
+        samples = engine.generate(prompts_now, turn_params, n=1, return_routed_experts=return_routed_experts)
+        for i, s in zip(active, samples, strict=True):
             b = builders[i]
-            b.add_turn(sample.response_ids, sample.response_log_probs, sample.weight_version, sample.finish_reason)
+            b.add_turn(s.response_ids, s.response_log_probs, s.weight_version, s.finish_reason, s.routed_experts)
             if b.ended is not None:
                 continue
-            result = envs[i].step(tokenizer.decode(sample.response_ids), sample.response_ids)
+            result = envs[i].step(tokenizer.decode(s.response_ids), s.response_ids)
             b.credit(result.reward, result.info)
             done[i] = result.done
             if not result.done and b.can_generate:

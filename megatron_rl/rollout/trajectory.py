@@ -8,13 +8,20 @@ the mask keeps observation tokens out of every loss and aggregation, as slime's 
 
 Limits: at most `max_turns` generated turns and `max_tokens` tokens in all (prompt included). A turn or an
 observation that does not fit is cut at the limit and the trajectory ends with finish reason "length", like an
-overlong single-turn response (so overlong masking or penalties apply to it unchanged).
+overlong single-turn response (so overlong masking or penalties apply to it unchanged). Tokens after the last
+generated turn would train nothing and are dropped, so the sequence always ends with a generated token.
+
+Routes (R3): the engine records, with each turn, the experts of every position it fed, prefilled or generated
+(SGLang's layout, `[len(sequence) - 1, moe_layers, top_k]`). The last turn fed the whole final sequence, so its
+routes, cut to the final length, are the trajectory's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from megatron_rl.rollout.sample import FinishReason
 
@@ -41,6 +48,7 @@ class Trajectory:
     finish_reason: FinishReason  # "length" when a limit cut it, "abort" when a turn was aborted
     reward: float = 0.0  # the environment's contributions, summed
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's counters, summed
+    routed_experts: np.ndarray | None = None  # [len(tokens) - 1, moe_layers, top_k], as `Sample.routed_experts`
 
     @property
     def tokens(self) -> list[int]:
@@ -71,6 +79,7 @@ class TrajectoryBuilder:
         self.turns: list[Turn] = []
         self.reward = 0.0
         self.metrics: dict[str, float] = {}
+        self.routed_experts: np.ndarray | None = None
         self.ended: FinishReason | None = None  # set when a limit or an aborted turn ended the trajectory
 
     @property
@@ -89,20 +98,30 @@ class TrajectoryBuilder:
         return self.ended is None and len(self.turns) < self.max_turns and self.remaining_tokens > 0
 
     def add_turn(
-        self, token_ids: list[int], log_probs: list[float], weight_version: str, finish_reason: FinishReason
+        self,
+        token_ids: list[int],
+        log_probs: list[float],
+        weight_version: str,
+        finish_reason: FinishReason,
+        routed_experts: np.ndarray | None = None,
     ) -> None:
-        """Append a generated turn (the engine's sample of `tokens`). A turn the engine cut ("length") or aborted
-        ends the trajectory with that reason; one longer than `remaining_tokens` is cut and ends it with "length"."""
+        """Append a generated turn (the engine's sample of `tokens`), with the routes of the positions it fed when
+        recorded. A turn the engine cut ("length") or aborted ends the trajectory with that reason; one longer than
+        `remaining_tokens` is cut and ends it with "length"."""
         if not self.can_generate:
             raise ValueError("no further turn allowed: the trajectory ended or reached max_turns")
         if len(log_probs) != len(token_ids):
             raise ValueError(f"{len(log_probs)} log-probs for {len(token_ids)} generated tokens")
+        fed = len(self.tokens) + len(token_ids) - 1
+        if routed_experts is not None and routed_experts.shape[0] != fed:
+            raise ValueError(f"routes of {routed_experts.shape[0]} positions for a turn that fed {fed}")
         kept = self._fit(len(token_ids))
         start = len(self.response_ids)
         self.response_ids += token_ids[:kept]
         self.loss_mask += [1] * kept
         self.log_probs += [float(x) for x in log_probs[:kept]]
         self.turns.append(Turn(start, start + kept, weight_version))
+        self.routed_experts = None if routed_experts is None else routed_experts[: len(self.tokens) - 1]
         if finish_reason != "stop":
             self.ended = self.ended or finish_reason
 
@@ -135,13 +154,15 @@ class TrajectoryBuilder:
         if not self.turns:
             raise ValueError("a trajectory needs at least one generated turn")
         reason: FinishReason = self.ended or ("stop" if done else "length")
+        end = self.turns[-1].end  # drop an observation after the last turn
         return Trajectory(
             self.prompt_ids,
-            list(self.response_ids),
-            list(self.loss_mask),
-            list(self.log_probs),
+            self.response_ids[:end],
+            self.loss_mask[:end],
+            self.log_probs[:end],
             tuple(self.turns),
             reason,
             self.reward,
             dict(self.metrics),
+            self.routed_experts,
         )

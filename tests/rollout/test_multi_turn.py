@@ -119,3 +119,32 @@ def test_token_limit_ends_trajectories_exactly_at_max_tokens(engine: LocalEngine
     for t in trajectories:
         assert len(t.tokens) == 24 and t.finish_reason == "length"
         assert len(t.turns) > 1 and len(t.loss_mask) == len(t.response_log_probs) == 24 - len(t.prompt_ids)
+
+
+@torch.no_grad()
+def test_routes_of_a_multi_turn_sequence_equal_a_single_pass_recording(tiny_moe_dir: Path, tokenizer):
+    """R3 on the local engine: the final sequence's routes (prefilled observations included) equal the routers'
+    top-k of one forward pass over it, at every position."""
+    engine = LocalEngine(tiny_moe_dir)
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=2, stop_token_ids=tuple(range(64, 128)))
+    prompts = [Prompt("a", [10, 11, 12]), Prompt("b", [20, 21, 22, 23, 24])]
+    trajectories = generate_with_envs(
+        engine, [Echo(), Echo()], prompts, params, tokenizer, TurnLimits(3, 200), return_routed_experts=True
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()
+    routes: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: routes.append(o[2]))
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate")
+    ]
+    try:
+        for t in trajectories:
+            routes.clear()
+            model(input_ids=torch.tensor([t.tokens[:-1]]))
+            assert len(t.turns) == 3 and t.routed_experts is not None
+            assert t.routed_experts.shape == (len(t.tokens) - 1, 3, 2)
+            np.testing.assert_array_equal(t.routed_experts, torch.stack(routes, dim=1).numpy())
+    finally:
+        for h in hooks:
+            h.remove()

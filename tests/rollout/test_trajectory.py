@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from megatron_rl.rollout.trajectory import TrajectoryBuilder, Turn
@@ -65,7 +66,7 @@ def test_token_limit_cuts_an_observation():
     b.add_turn([2, 3], [-0.1, -0.2], "v0", "stop")
     b.add_observation([4, 5, 6, 7])
     t = b.build(done=False)
-    assert t.response_ids == [2, 3, 4, 5] and t.loss_mask == [1, 1, 0, 0]
+    assert t.response_ids == [2, 3] and t.loss_mask == [1, 1]  # an observation after the last turn trains nothing
     assert t.finish_reason == "length"
     with pytest.raises(ValueError, match="already ended"):
         b.add_observation([8])
@@ -89,3 +90,19 @@ def test_refusals():
         b.add_turn([2], [-0.1, -0.2], "v0", "stop")
     with pytest.raises(ValueError, match="at least one generated turn"):
         b.build(done=True)
+
+
+def test_routes_are_the_last_turns_cut_to_the_final_sequence():
+    def routes(first: int, n: int) -> np.ndarray:  # position p routed to experts (p, p + 100)
+        return np.stack([np.arange(first, first + n), np.arange(first, first + n) + 100], -1)[:, None, :]
+
+    b = TrajectoryBuilder([1, 2], max_turns=3, max_tokens=9)
+    b.add_turn([3, 4], [-0.1, -0.2], "v0", "stop", routes(0, 3))  # fed positions 0..2 (prompt + first token)
+    b.add_observation([5])
+    with pytest.raises(ValueError, match="routes of 5 positions for a turn that fed 6"):
+        b.add_turn([6, 7], [-0.3, -0.4], "v0", "stop", routes(0, 5))
+    b.add_turn([6, 7, 8, 9, 10], [-0.3, -0.4, -0.5, -0.6, -0.7], "v0", "stop", routes(0, 9))  # cut at 9 tokens
+    t = b.build(done=True)
+    assert t.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9] and t.finish_reason == "length"
+    assert t.routed_experts is not None
+    np.testing.assert_array_equal(t.routed_experts, routes(0, 8))  # one row per fed position of the final sequence
