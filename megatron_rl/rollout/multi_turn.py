@@ -39,7 +39,8 @@ def generate_with_envs(
     Text observations are tokenized on their own without special tokens added (chat-template glue that starts
     after a special token, like ``<|im_end|>``, tokenizes the same as in the whole conversation). The environment
     reads each turn decoded with its special tokens. A turn the engine cut or aborted ends its trajectory unseen by
-    the environment. With `params.seed` set, turn t is sampled with seed + t (give each sample its own seed).
+    the environment. With `params.seed` set, turn t is sampled with seed + t; the local engine draws a stream per
+    row from it, SGLang's `sampling_seed` is per request (identical prompts in one call may then sample alike).
     `return_routed_experts`: each trajectory gets the routes of its final sequence (see `trajectory`).
     """
     if len(envs) != len(prompts):

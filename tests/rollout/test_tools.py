@@ -124,6 +124,8 @@ def _last_line(answer: str) -> tuple[str, str]:
         ("import os\nos.symlink('/tmp', 'l')\nopen('l/escape', 'w')", "sandbox: writing 'l/escape' refused"),
         ("open('/etc/hostname').read()", "PermissionError: sandbox: reading '/etc/hostname' refused"),
         ("import os\nos.remove('/tmp/x')", "PermissionError: sandbox: os.remove '/tmp/x' refused"),
+        ("import os, pathlib\nos.remove(pathlib.Path('/tmp/x'))", "sandbox: os.remove '/tmp/x' refused"),
+        ("import os\nos.rename('a', '/tmp/x')", "PermissionError: sandbox: os.rename 'a' refused"),
         ("import os\nos.kill(1, 9)", "PermissionError: sandbox: os.kill refused"),
         ("import resource as r\nr.setrlimit(r.RLIMIT_CPU, (5, 5))", "sandbox: resource.setrlimit refused"),
         ("import __main__\n__main__._REFUSED_EVENTS = ()\nimport os\nos.fork()", "sandbox: os.fork refused"),
