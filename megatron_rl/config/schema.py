@@ -279,6 +279,12 @@ class TrainerConfig:
     micro_batch_tokens: int = setting(
         4096, help="token budget of one forward/backward micro-batch (sequences are packed up to it)", ge=1
     )
+    balance_quadratic: float = setting(
+        0.0,
+        help="balancing data-parallel ranks and micro-batches: a sample costs tokens + this x tokens^2 (weigh the "
+        "attention's quadratic work; 0 = balance tokens)",
+        ge=0,
+    )
     seed: int = setting(1234, help="seed of data order, sampling and dropout")
     colocate: bool = setting(
         True, help="trainer and rollout engine share the GPUs and take turns; false = separate GPUs"

@@ -70,6 +70,7 @@ class MegatronActor:
         optimizer_options: OptimizerOptions | None = None,
         *,
         micro_batch_tokens: int = 4096,
+        balance_quadratic: float = 0.0,
     ):
         from megatron.core import parallel_state as ps
 
@@ -79,6 +80,7 @@ class MegatronActor:
         self.layout = layout
         self.model_options = model_options or ModelOptions()
         self.micro_batch_tokens = micro_batch_tokens
+        self.balance_quadratic = balance_quadratic  # a sample's cost when balancing: tokens + this * tokens^2
         self.chunks: list[Any]  # the model chunks (one per virtual pipeline stage), DDP-wrapped for training
         self.chunks, self.config = build_model(hf_config, layout, self.model_options)
         self.routers = MoERouters(self.chunks)
@@ -127,7 +129,7 @@ class MegatronActor:
     def rows_fed(self, lengths: list[int]) -> list[int]:
         """The rows of a batch whose sequences have `lengths` this rank feeds in `compute_log_probs` and
         `train_step`."""
-        return rows_of_this_rank(lengths)
+        return rows_of_this_rank(lengths, self.balance_quadratic)
 
     # ------------------------------------------------------------------ optimizer state
     def reset_optimizer_state(self) -> None:
@@ -225,8 +227,9 @@ class MegatronActor:
 
     def _plan(self, batch: TokenBatch) -> RankPlan:
         return plan_micro_batches(
-            batch, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing
-        )
+            batch, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing,
+            quadratic=self.balance_quadratic,
+        )  # fmt: skip
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]` (of the

@@ -22,21 +22,22 @@ from megatron_rl.megatron_backend.packing import Packing
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 
 
-def data_parallel_partition(lengths: list[int]) -> list[list[int]]:
-    """The rows each data-parallel rank feeds of a batch whose sequences have `lengths` (same on every rank)."""
+def data_parallel_partition(lengths: list[int], quadratic: float = 0.0) -> list[list[int]]:
+    """The rows each data-parallel rank feeds of a batch whose sequences have `lengths` (same on every rank); a
+    sample costs `length + quadratic * length^2`."""
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_world_size()
     if len(lengths) < dp:
         raise ValueError(f"batch of {len(lengths)} samples is smaller than the data-parallel size {dp}")
-    return balanced_partition(lengths, dp) if dp > 1 else [list(range(len(lengths)))]
+    return balanced_partition(lengths, dp, alpha=quadratic) if dp > 1 else [list(range(len(lengths)))]
 
 
-def rows_of_this_rank(lengths: list[int]) -> list[int]:
+def rows_of_this_rank(lengths: list[int], quadratic: float = 0.0) -> list[int]:
     """The rows of a batch whose sequences have `lengths` that this data-parallel rank feeds."""
     from megatron.core import parallel_state as ps
 
-    return data_parallel_partition(lengths)[ps.get_data_parallel_rank()]
+    return data_parallel_partition(lengths, quadratic)[ps.get_data_parallel_rank()]
 
 
 @dataclass
@@ -50,7 +51,13 @@ class RankPlan:
 
 
 def plan_micro_batches(
-    batch: TokenBatch, max_tokens: int, layout: ParallelLayout, dp_group, *, packing: bool = True
+    batch: TokenBatch,
+    max_tokens: int,
+    layout: ParallelLayout,
+    dp_group,
+    *,
+    packing: bool = True,
+    quadratic: float = 0.0,
 ) -> RankPlan:
     """This rank's rows and micro-batches, as many on every data-parallel rank; under pipeline parallelism all get
     one fixed shape.
@@ -58,8 +65,8 @@ def plan_micro_batches(
     `packing`: each micro-batch is packed (`TokenBatch.packing`): its samples end to end in one row of at most
     `max_tokens` tokens (a longer sample alone), padded only at the end, to a multiple of TP under sequence
     parallelism (and to the longest row under PP); the rank's samples are spread over its micro-batches with
-    balanced token counts. Otherwise each sample is a row, padded to the longest (count x longest <=
-    `max_tokens`), consecutive samples per micro-batch.
+    balanced costs (a sample costs `length + quadratic * length^2`, as in the data-parallel split). Otherwise each
+    sample is a row, padded to the longest (count x longest <= `max_tokens`), consecutive samples per micro-batch.
 
     Expert-parallel all-to-alls span data-parallel ranks, so every rank must run the same number of
     micro-batches (a rank with fewer samples gets dummy rows). Megatron's variable-shape p2p path exchanges
@@ -69,16 +76,19 @@ def plan_micro_batches(
     from megatron.core import parallel_state as ps
 
     lengths = batch.lengths.tolist()
-    partition = data_parallel_partition(lengths)
+    partition = data_parallel_partition(lengths, quadratic)
     index = partition[ps.get_data_parallel_rank()]
     mine = [lengths[i] for i in index]
-    groups = split_micro_batches(mine, max_tokens) if packing else split_by_token_budget(mine, max_tokens)
+    if packing:
+        groups = split_micro_batches(mine, max_tokens, alpha=quadratic)
+    else:
+        groups = split_by_token_budget(mine, max_tokens)
     count = torch.tensor([len(groups)])
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     count_needed = micro_batch_count(int(count), layout)
     if packing:
-        groups = split_micro_batches(mine, max_tokens, min_count=count_needed)
+        groups = split_micro_batches(mine, max_tokens, min_count=count_needed, alpha=quadratic)
     else:
         groups = regroup(groups, count_needed)
     order = [i for g in groups for i in g]

@@ -194,6 +194,7 @@ def _build_parts(
         model_options=cfg.model.options,
         optimizer_options=cfg.optimizer,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        balance_quadratic=cfg.trainer.balance_quadratic,
     )
     data = PromptData(cfg, tokenizer)
     engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None

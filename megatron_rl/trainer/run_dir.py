@@ -36,6 +36,7 @@ RESUMABLE_CHANGES = (
     "trainer.output_dir",
     "trainer.on_nonfinite",
     "trainer.micro_batch_tokens",
+    "trainer.balance_quadratic",
     "trainer.offload_actor",
     "model.options.experts",  # how the same numbers are computed (up to rounding), not which
     "model.options.packing",
