@@ -29,6 +29,7 @@ class Sample:
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # prompt text, reference answer, ...
     exclude_from_loss: bool = False  # train on nothing of this sample (DAPO overlong filtering of truncated ones)
+    loss_mask: list[int] | None = None  # per response token, 1 = trained (None: all); 0 on multi-turn observations
 
     @property
     def tokens(self) -> list[int]:
@@ -41,6 +42,8 @@ class Sample:
     def __post_init__(self) -> None:
         if len(self.response_log_probs) != len(self.response_ids):
             raise ValueError(f"{len(self.response_log_probs)} log-probs for {len(self.response_ids)} response tokens")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(f"{len(self.loss_mask)} loss-mask entries for {len(self.response_ids)} response tokens")
         if self.routed_experts is not None:
             expected = len(self.prompt_ids) + len(self.response_ids) - 1
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != expected:

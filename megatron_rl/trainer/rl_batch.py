@@ -35,7 +35,7 @@ def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_ro
         ids[i, :n] = torch.tensor(s.tokens)
         rollout_logp[i, start:n] = torch.tensor(s.response_log_probs, dtype=torch.float32)
         if not s.metadata.get("exclude_from_loss") and not getattr(s, "exclude_from_loss", False):
-            loss_mask[i, start:n] = 1.0
+            loss_mask[i, start:n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         if routes is not None:
             if s.routed_experts is None:
                 raise ValueError(f"sample {i} has no routed_experts but routing replay R3 is on")
