@@ -7,7 +7,6 @@ skipped, so the stop token is not in it), `metadata` the sample's (it holds the 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import math
 import queue
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from megatron_rl.rollout.plugins import lookup, register_in
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.synthetic_task import synthetic_reward
 
@@ -30,29 +30,14 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make `fn` available as `get_reward(name)`."""
-
-    def add(fn: RewardFn) -> RewardFn:
-        if name in REWARD_FUNCTIONS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARD_FUNCTIONS[name] = fn
-        return fn
-
-    return add
+    return register_in(REWARD_FUNCTIONS, "reward", name)
 
 
 def get_reward(name: str | RewardFn) -> RewardFn:
     """A registered name, a dotted path ("package.module:function" or "package.module.function"), or a callable."""
     if callable(name):
         return name
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"unknown reward {name!r}: not one of {sorted(REWARD_FUNCTIONS)} nor a dotted path")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot load reward function {name!r}: {err}") from err
+    fn = lookup(name, REWARD_FUNCTIONS, "reward")
     if not callable(fn):
         raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function")
     return fn

@@ -28,7 +28,7 @@ def test_registry_and_dotted_paths():
     assert get_reward("synthetic") is rewards.synthetic_reward
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward("nope")
-    with pytest.raises(ValueError, match="cannot load reward function 'megatron_rl.rollout.rewards:missing'"):
+    with pytest.raises(ValueError, match="cannot load reward 'megatron_rl.rollout.rewards:missing'"):
         get_reward("megatron_rl.rollout.rewards:missing")
     with pytest.raises(ValueError, match="already registered"):
         rewards.register_reward("exact_match")(lambda s, t, m: 0.0)
