@@ -8,6 +8,7 @@ step's samples to every rank; all ranks train.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -106,6 +107,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
             stop.last_checkpoint = plan.start_step if plan.resume_from is not None else None
             return _run(cfg, plan, model_dir, dims, stop, engines, verbose)
         finally:
+            gc.unfreeze()
             for engine in engines:
                 engine.shutdown()
             shutdown()
@@ -132,6 +134,9 @@ def _run(
 ) -> TrainResult:
     rank0 = dist.get_rank() == 0
     parts, state = _build_parts(cfg, plan, model_dir, dims, engines)
+    # The model, optimizer, engine and libraries live for the whole run: keep them out of the garbage collector's
+    # full collections, which otherwise walk them all (0.1-2 s each, about 8 per 14 demo steps).
+    gc.freeze()
     log = None
     if rank0:
         dump_yaml(cfg, plan.output_dir / "config.yaml")
