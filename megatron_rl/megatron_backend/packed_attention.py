@@ -52,7 +52,7 @@ def packed_variant(cls: type) -> type:
                     out = values.new_zeros(query.shape[0], values.shape[-1])
                 out = out.index_put((scatter,), values)
             assert out is not None
-            return out.unsqueeze(1)  # [tokens, 1, heads * dim]
+            return out  # [tokens, heads * dim], as Transformer Engine's attention returns THD
 
     PackedCoreAttention.__name__ = PackedCoreAttention.__qualname__ = f"Packed{cls.__name__}"
     return PackedCoreAttention

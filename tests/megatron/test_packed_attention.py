@@ -35,16 +35,16 @@ def test_packed_attention_equals_each_sample_alone(megatron_world, heads: int, g
     k = torch.randn(packing.total, groups, 8, generator=gen, requires_grad=True)
     v = torch.randn(packing.total, groups, 8, generator=gen, requires_grad=True)
     out = packed(q, k, v, None, packed_seq_params=packing.seq_params(torch.device("cpu")))
-    assert out.shape == (packing.total, 1, heads * 8)
+    assert out.shape == (packing.total, heads * 8)  # THD, as Transformer Engine returns it
     cu = packing.cu_seqlens().tolist()
     segments = zip(cu[:-1], cu[1:], strict=True)
     alone = torch.cat([plain(q[a:b].unsqueeze(1), k[a:b].unsqueeze(1), v[a:b].unsqueeze(1), None) for a, b in segments])
     real = packing.used
-    torch.testing.assert_close(out[:real], alone[:real], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[:real], alone[:real, 0], rtol=0, atol=1e-6)
     # Gradients reach each sample's own tokens as in the per-sample computation.
-    weights = torch.randn(real, 1, heads * 8, generator=gen)
+    weights = torch.randn(real, heads * 8, generator=gen)
     (grad_packed,) = torch.autograd.grad((out[:real] * weights).sum(), q)
-    (grad_alone,) = torch.autograd.grad((alone[:real] * weights).sum(), q)
+    (grad_alone,) = torch.autograd.grad((alone[:real, 0] * weights).sum(), q)
     torch.testing.assert_close(grad_packed, grad_alone, rtol=0, atol=1e-5)
 
 

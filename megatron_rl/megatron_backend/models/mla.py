@@ -237,6 +237,16 @@ def _local_mla_classes() -> tuple[type, type, type]:
             if v_channels is not None:  # `Attention.__init__` first builds one without them, then MLA rebuilds it
                 self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
+        @property
+        def hidden_size_per_attention_head_v(self) -> int:
+            """The value head width; 0.19.x's MLA widens it while a packed (THD) value is zero-padded to the query
+            head width, then trims the output back."""
+            return self.hidden_size_per_partition // self.num_attention_heads_per_partition
+
+        @hidden_size_per_attention_head_v.setter
+        def hidden_size_per_attention_head_v(self, width: int) -> None:
+            self.hidden_size_per_partition = width * self.num_attention_heads_per_partition
+
     # Megatron's own __init__s, reading HAVE_TE as False (the local spec has no TE module; 0.16.x without TE has
     # mocks under TE's names) and `Linear` as the replicated Linear (0.19.x binds that name only with TE). The
     # base sits under MLASelfAttention in the MRO, so MLASelfAttention's `super().__init__` reaches it.
