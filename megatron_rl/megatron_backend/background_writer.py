@@ -125,11 +125,14 @@ class WriterThread:
         # The thread works on this rank's GPU, if any (a new thread starts on device 0: its CUDA calls, the wait for
         # the snapshot's copies included, must not create a context on another rank's device).
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        threading.Thread(target=self._serve, name="checkpoint-writer", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="checkpoint-writer", daemon=True)
+        self._thread.start()
 
-    def stop(self) -> None:
-        """End the thread once the jobs queued before have run."""
+    def stop(self, *, join: bool = False) -> None:
+        """End the thread once the jobs queued before have run (`join`: and wait for it)."""
         self._jobs.put(None)
+        if join and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
         """Queue `job` (it must not raise); the event is set when it has run."""

@@ -253,6 +253,14 @@ class BackgroundSaves:
         write.start(state, directory, _background_save_options(dist_checkpointing.save, self), write_files, publish)
         self._in_flight = (write, publish)
 
+    def close(self) -> int | None:
+        """Collective: `wait`, then end the writer thread (before the process groups go: a thread left to the
+        interpreter's exit can abort the process there). Returns what `wait` returns."""
+        try:
+            return self.wait()
+        finally:
+            self._thread.stop(join=True)
+
     def wait(self) -> int | None:
         """Collective: wait until the save in flight is written and published; its step (None if none was)."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException

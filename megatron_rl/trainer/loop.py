@@ -261,10 +261,11 @@ def _save(
 
 
 def _finish_save(saves: checkpoint.BackgroundSaves | None, stop: StopSignals) -> None:
-    """Collective: wait for the background save in flight, if any, and publish it (before the run returns)."""
+    """Collective: wait for the background save in flight, if any, publish it and end the writer (before the run
+    returns)."""
     if saves is not None:
         with stop.writing("checkpoint being written in the background"):
-            saves.wait()
+            saves.close()
             stop.last_checkpoint = saves.published
 
 

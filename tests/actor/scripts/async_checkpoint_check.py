@@ -66,7 +66,7 @@ def main() -> None:
     results["step3_log_probs"] = log_probs()
     checkpoint.save_checkpoint(actor, root, 3, {"data_position": 3}, background=background, keep_last=3)
     train(4)  # while step 3 is written
-    results["waited3"] = background.wait()
+    results["waited3"] = background.close()
 
     checkpoint.load_checkpoint(actor, root / step_dir_name(1))
     results["loaded1_log_probs"] = log_probs()
