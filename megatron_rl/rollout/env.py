@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.plugins import load_dotted, lookup, register_in
+from megatron_rl.rollout.plugins import load_dotted, lookup_callable, register_in
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.trajectory import Trajectory
 
@@ -72,12 +72,7 @@ def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
 def get_env(name: str | EnvFactory) -> EnvFactory:
     """A registered name, a dotted path or a factory; call the result with the environment's options (a config's
     keyword arguments) for one episode's environment."""
-    if callable(name):
-        return name
-    factory = lookup(name, ENVIRONMENTS, "environment")
-    if not callable(factory):
-        raise ValueError(f"environment {name!r} is a {type(factory).__name__}, not a class or factory")
-    return factory
+    return lookup_callable(name, ENVIRONMENTS, "environment", "a class or factory")
 
 
 class GenerateFn(Protocol):

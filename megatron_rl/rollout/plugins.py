@@ -37,6 +37,17 @@ def lookup(name: str, registry: Mapping[str, Any], kind: str) -> Any:
     return load_dotted(name, kind)
 
 
+def lookup_callable(name: str | Callable, registry: Mapping[str, Any], kind: str, expected: str) -> Callable:
+    """`name` itself if callable, else `lookup`'s result, which must be callable (`expected` names what it should be
+    in the error)."""
+    if callable(name):
+        return name
+    found = lookup(name, registry, kind)
+    if not callable(found):
+        raise ValueError(f"{kind} {name!r} is a {type(found).__name__}, not {expected}")
+    return found
+
+
 def register_in(registry: MutableMapping[str, Any], kind: str, name: str) -> Callable[[T], T]:
     """Decorator: add the object to `registry` under `name` (a ValueError when the name is taken)."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from megatron_rl.rollout.plugins import lookup, register_in
+from megatron_rl.rollout.plugins import lookup_callable, register_in
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.synthetic_task import synthetic_reward
 
@@ -35,12 +35,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def get_reward(name: str | RewardFn) -> RewardFn:
     """A registered name, a dotted path ("package.module:function" or "package.module.function"), or a callable."""
-    if callable(name):
-        return name
-    fn = lookup(name, REWARD_FUNCTIONS, "reward")
-    if not callable(fn):
-        raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return lookup_callable(name, REWARD_FUNCTIONS, "reward", "a function")
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
