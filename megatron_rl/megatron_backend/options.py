@@ -61,6 +61,14 @@ class ModelOptions:
             "layout, one sample per row"
         },
     )
+    local_attention: Literal["sdpa", "unfused"] = field(
+        default="sdpa",
+        metadata={
+            "help": "core attention of the local layer spec: sdpa = torch's scaled_dot_product_attention (fused "
+            "kernels on CPU and GPU); unfused = Megatron's local DotProductAttention (baddbmm + masked softmax). "
+            "Transformer Engine's spec uses its own attention either way"
+        },
+    )
     seed: int = field(default=1234, metadata={"help": "initialisation seed (weights are then usually loaded)"})
 
 
