@@ -100,6 +100,8 @@ def describe_type(tp: Any) -> str:
         return "list of " + ", ".join(describe_type(a) for a in args)
     if is_section(tp):
         return f"mapping ({tp.__name__})"
+    if typing.get_origin(tp) is dict:
+        return "mapping of options"
     return {bool: "bool (true/false)", int: "integer", float: "number", str: "string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -152,6 +154,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if len(items) != len(targs):
             raise ConfigError(f"{key}={value!r}: expected {len(targs)} items ({describe_type(tp)})")
         return tuple(coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(items, targs, strict=True)))
+    if origin is dict:  # free-form options (a plug-in's keyword arguments): a mapping with string keys
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}={value!r}: expected a mapping of option names to values")
+        return dict(value)
     if is_section(tp):
         if isinstance(value, tp):
             return to_dict(value)

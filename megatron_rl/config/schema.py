@@ -27,6 +27,7 @@ from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMA
 from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.multi_turn import TurnLimits
 
 PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
 
@@ -235,6 +236,34 @@ class RolloutConfig:
         "retried this many times before the run stops with the server's error",
         ge=0,
     )
+    engine_process: Literal["auto", "trainer", "separate"] = setting(
+        "auto",
+        help="where the local engine runs: trainer = in the trainer's process (rank 0); separate = a child process "
+        "of rank 0 that takes new weights through shared memory, so generation overlaps training in async mode; "
+        "auto = separate in async mode, trainer otherwise",
+    )
+    partial: bool = setting(
+        False,
+        help="async mode: at a weight update, generations in flight are interrupted and continued under the new "
+        "weights from where they stopped (each token keeps the weight version and log-prob that produced it); "
+        "false = the update waits until the requests in flight have finished",
+    )
+    env: str | None = setting(
+        None,
+        help="multi-turn rollouts: the environment that answers each model turn (a built-in name such as 'tools', "
+        "or 'package.module:Class'); null = one response per prompt",
+    )
+    env_options: dict[str, Any] = setting(
+        default_factory=dict,
+        help="keyword options of the environment, e.g. {tools: [calculator], tool_call_format: hermes, "
+        "tool_options: {python: {timeout_s: 5}}}",
+    )
+    generate_fn: str | None = setting(
+        None,
+        help="full control over one rollout instead of env: 'package.module:function' called as "
+        "generate(engine, prompt, params) -> Trajectory (slime's custom generate function)",
+    )
+    turns: TurnLimits = setting(default_factory=TurnLimits, help="multi-turn limits (env or generate_fn only)")
     release_memory: bool = setting(
         False,
         help="colocated runs: the rollout engine frees its weights and KV cache while the trainer trains, and "
@@ -286,6 +315,23 @@ class TrainerConfig:
         ge=0,
     )
     seed: int = setting(1234, help="seed of data order, sampling and dropout")
+    mode: Literal["sync", "async"] = setting(
+        "sync",
+        help="sync = each step generates, then trains on what it generated; async = a rollout producer generates "
+        "the next steps' samples while the trainer trains, with weights at most trainer.max_staleness versions "
+        "behind (slime's train_async, verl's one-step off-policy)",
+    )
+    max_staleness: int = setting(
+        1,
+        help="async mode: the most weight versions a trained sample may lag the trainer (1 = one-step off-policy; "
+        "0 = the async machinery with sync results)",
+        ge=0,
+    )
+    stale_samples: Literal["drop", "regenerate"] = setting(
+        "drop",
+        help="async mode: a group whose oldest token is more than max_staleness versions behind is dropped, or "
+        "its prompt is generated again with the current weights (either is counted in async/stale_groups)",
+    )
     colocate: bool = setting(
         True, help="trainer and rollout engine share the GPUs and take turns; false = separate GPUs"
     )

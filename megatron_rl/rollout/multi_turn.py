@@ -20,8 +20,8 @@ from megatron_rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 class TurnLimits:
     """Limits of one trajectory (`params.max_new_tokens` caps each turn)."""
 
-    max_turns: int = field(default=4, metadata={"help": "model turns per trajectory"})
-    max_tokens: int = field(default=2048, metadata={"help": "tokens per trajectory, prompt included"})
+    max_turns: int = field(default=4, metadata={"help": "model turns per trajectory", "ge": 1})
+    max_tokens: int = field(default=2048, metadata={"help": "tokens per trajectory, prompt included", "ge": 2})
 
 
 def generate_with_envs(

@@ -53,6 +53,8 @@ def test_every_leaf_type_is_supported():
             return all(supported(a) for a in typing.get_args(tp))
         if origin is tuple:
             return all(supported(a) for a in typing.get_args(tp) if a is not Ellipsis)
+        if origin is dict:  # a plug-in's keyword options (rollout.env_options)
+            return typing.get_args(tp)[0] is str
         return False
 
     for key, spec in walk_fields(RLConfig):
@@ -90,3 +92,13 @@ def test_import_is_cheap():
         [sys.executable, "-c", check], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_free_form_options_take_a_mapping_and_refuse_anything_else():
+    from megatron_rl.config.coercion import coerce
+    from megatron_rl.config.errors import ConfigError
+
+    assert coerce({"tools": ["calculator"]}, dict[str, typing.Any], "rollout.env_options") == {"tools": ["calculator"]}
+    for bad in (["calculator"], "tools", {1: "x"}):
+        with pytest.raises(ConfigError, match="rollout.env_options=.*expected a mapping of option names"):
+            coerce(bad, dict[str, typing.Any], "rollout.env_options")
