@@ -17,7 +17,8 @@ from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, get_family
 from megatron_rl.megatron_backend.models.grouped_experts import grouped_unsupported_reason, with_grouped_experts
 from megatron_rl.megatron_backend.options import ModelOptions
-from megatron_rl.megatron_backend.packed_attention import with_packed_local_attention
+from megatron_rl.megatron_backend.packed_attention import packed_variant, with_local_core_attention
+from megatron_rl.megatron_backend.sdpa_attention import sdpa_variant
 from megatron_rl.routing.compat import refuse_unsafe_replay_options
 
 if TYPE_CHECKING:
@@ -150,8 +151,10 @@ def build_model(
             )
         if grouped:
             spec = with_grouped_experts(spec)
+        if options.local_attention == "sdpa" and not te:
+            spec = with_local_core_attention(spec, sdpa_variant)  # one fused kernel (TE's attention is fused)
         if options.packing and not te:
-            spec = with_packed_local_attention(spec)  # THD on the local spec (TE attention takes it natively)
+            spec = with_local_core_attention(spec, packed_variant)  # THD (TE's attention takes it natively)
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPTModel(
                 config=config,

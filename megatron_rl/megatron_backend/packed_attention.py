@@ -2,17 +2,20 @@
 
 Megatron-Core's local `DotProductAttention` refuses `packed_seq_params` (only Transformer Engine's attention takes
 the THD format). Everything around it already handles THD: the attention module squeezes the batch dimension and
-applies rotary embeddings per segment from `cu_seqlens`. `with_packed_local_attention` swaps each local core
-attention class of a decoder block spec for a subclass that runs the parent's own causal attention on the
-segments, grouped by length into padded batches, so a packed sample is computed as the same sample alone (up to
-rounding). Transformer Engine's attention is left
-as it is (it runs THD natively on the GPU).
+applies rotary embeddings per segment from `cu_seqlens`. `with_local_core_attention(spec, packed_variant)` swaps
+each local core attention class of a decoder block spec for a subclass that runs the parent's own causal attention
+(Megatron's unfused one, or SDPA's: `sdpa_attention.sdpa_variant`) on the segments, grouped by length into padded
+batches, so a packed sample is computed as the same sample alone (up to rounding). One call per length group
+rather than one over the whole row with a block-diagonal mask: the mask would cost the square of the row's length,
+the groups the sum of their own squares. Transformer Engine's attention is left as it is (it runs THD natively on
+the GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,9 +86,9 @@ def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[t
     return out
 
 
-def with_packed_local_attention(block_spec: Any) -> Any:
-    """`block_spec` (a `TransformerBlockSubmodules`) with every local core attention class replaced by its packed
-    variant; Transformer Engine attention is kept."""
+def with_local_core_attention(block_spec: Any, variant: Callable[[type], type]) -> Any:
+    """`block_spec` (a `TransformerBlockSubmodules`) with every local core attention class `core` replaced by
+    `variant(core)` (`packed_variant`, `sdpa_attention.sdpa_variant`); Transformer Engine attention is kept."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     def layer(spec: Any) -> Any:
@@ -94,7 +97,7 @@ def with_packed_local_attention(block_spec: Any) -> Any:
         core = getattr(sub, "core_attention", None)
         if not (isinstance(core, type) and issubclass(core, DotProductAttention)):
             return spec
-        sub = dataclasses.replace(sub, core_attention=packed_variant(core))
+        sub = dataclasses.replace(sub, core_attention=variant(core))
         attention = dataclasses.replace(attention, submodules=sub)
         return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 

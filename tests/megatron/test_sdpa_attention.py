@@ -1,0 +1,143 @@
+"""The local spec's SDPA core attention equals Megatron's unfused `DotProductAttention` (fp32, forward and
+gradients): causal, grouped-query, an explicit mask with a fully masked row, a decode step, query-key layer
+scaling, MLA's value width, packed (THD) rows, the sink/window fallback; and a tiny Qwen3-MoE's log-probs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_rl.megatron_backend.packed_attention import packed_variant
+from megatron_rl.megatron_backend.packing import Packing
+from megatron_rl.megatron_backend.sdpa_attention import sdpa_variant
+
+
+def _config(heads: int, groups: int, **kw):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=4, hidden_size=heads * 8, num_attention_heads=heads, num_query_groups=groups, kv_channels=8,
+        attention_dropout=0.0, **kw,
+    )  # fmt: skip
+
+
+def _pair(cls: type, config, *, layer: int = 1, causal: bool = True, **kw) -> tuple[Any, Any]:
+    """(unfused, SDPA) core attention modules of class `cls` built alike (same parameters, if any)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    mask_type = AttnMaskType.causal if causal else AttnMaskType.padding
+    made = [c(config, layer_number=layer, attn_mask_type=mask_type, attention_type="self", **kw)
+            for c in (cls, sdpa_variant(cls))]  # fmt: skip
+    made[1].load_state_dict(made[0].state_dict())
+    return made[0], made[1]
+
+
+def _qkv(sq: int, b: int, heads: int, groups: int, dim: int = 8, v_dim: int = 8, sk: int | None = None):
+    gen = torch.Generator().manual_seed(sq * 31 + heads)
+    sk = sq if sk is None else sk
+    return (
+        torch.randn(sq, b, heads, dim, generator=gen, requires_grad=True),
+        torch.randn(sk, b, groups, dim, generator=gen, requires_grad=True),
+        torch.randn(sk, b, groups, v_dim, generator=gen, requires_grad=True),
+    )
+
+
+def _assert_same(unfused, sdpa, qkv, mask=None, **kw) -> None:
+    """Outputs within 1e-6 and gradients of q, k, v within 1e-5."""
+    outs = [m(*qkv, mask, **kw) for m in (unfused, sdpa)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-6)
+    weights = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((o * weights).sum(), qkv) for o in outs]
+    for g_sdpa, g_unfused in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g_sdpa, g_unfused, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,groups,sq", [(4, 4, 13), (4, 2, 13), (8, 2, 1)])
+def test_causal_and_grouped_query_attention(megatron_world, heads: int, groups: int, sq: int) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    _assert_same(*_pair(DotProductAttention, _config(heads, groups)), _qkv(sq, 3, heads, groups))
+
+
+def test_explicit_mask_replaces_causal_and_fully_masked_rows_average(megatron_world) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    sq, b = 9, 3
+    pad = torch.zeros(b, 1, sq, sq, dtype=torch.bool)
+    pad[1, :, :, 6:] = True  # keys past a length of 6
+    pad[2, :, 2, :] = True  # a fully masked row: the parent softmaxes -10000s uniformly
+    for causal in (True, False):
+        pair = _pair(DotProductAttention, _config(4, 2), causal=causal)
+        _assert_same(*pair, _qkv(sq, b, 4, 2), pad)
+        _assert_same(*pair, _qkv(sq, b, 4, 2), pad[:1].expand(1, 4, sq, sq))  # one mask for the batch, per head
+
+
+def test_query_key_layer_scaling_and_custom_softmax_scale(megatron_world) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    config = _config(4, 2, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True)
+    _assert_same(*_pair(DotProductAttention, config, layer=3, softmax_scale=0.37), _qkv(11, 2, 4, 2))
+
+
+def test_mla_value_width_and_thd_padded_value(megatron_world) -> None:
+    from megatron_rl.megatron_backend.models.mla import _local_mla_classes
+
+    mla_core = _local_mla_classes()[1]
+    unfused, sdpa = _pair(mla_core, _config(4, 4), k_channels=8, v_channels=6, softmax_scale=0.29)
+    _assert_same(unfused, sdpa, _qkv(10, 2, 4, 4, v_dim=6))
+    for m in (unfused, sdpa):  # 0.19.x's MLA widens the value to the query width for THD, then trims
+        m.hidden_size_per_attention_head_v = 8
+    _assert_same(unfused, sdpa, _qkv(10, 2, 4, 4, v_dim=8))
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
+def test_packed_rows(megatron_world, heads: int, groups: int) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = _config(heads, groups)
+    unfused, sdpa = (
+        packed_variant(c)(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for c in (DotProductAttention, sdpa_variant(DotProductAttention))
+    )
+    packing = Packing.of([5, 3, 17, 140, 16, 1], multiple=8)
+    q, k, v = (t.squeeze(1) for t in _qkv(packing.total, 1, heads, groups))
+    _assert_same(unfused, sdpa, (q, k, v), packed_seq_params=packing.seq_params(torch.device("cpu")))
+
+
+def test_sinks_and_sliding_windows_fall_back_to_the_parent(megatron_world) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    config = _config(4, 2, softmax_type="learnable", window_size=(3, 0), window_attn_skip_freq=2)
+    for layer in (1, 2):  # windowed and full layers, both with sinks
+        unfused, sdpa = _pair(DotProductAttention, config, layer=layer)
+        torch.nn.init.normal_(unfused.softmax_offset)
+        sdpa.load_state_dict(unfused.state_dict())
+        _assert_same(unfused, sdpa, _qkv(12, 2, 4, 2))
+
+
+def test_tiny_qwen3_moe_log_probs_sdpa_vs_unfused(megatron_world, tiny_moe_dir: Path) -> None:
+    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.options import ModelOptions
+    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 100, (6, 24), generator=gen)
+    lengths = torch.tensor([24, 10, 17, 24, 5, 12])
+    batch = TokenBatch(ids, lengths, torch.full((6,), 3))
+    scores = {}
+    for attention in ("unfused", "sdpa"):
+        for packing in (False, True):
+            actor = MegatronActor.from_hf(
+                tiny_moe_dir, ParallelLayout(), micro_batch_tokens=64,
+                model_options=ModelOptions(local_attention=attention, packing=packing),
+            )  # fmt: skip
+            scores[attention, packing] = actor.compute_log_probs(batch, with_entropy=True)
+    for packing in (False, True):
+        base, new = scores["unfused", packing], scores["sdpa", packing]
+        torch.testing.assert_close(new.log_probs, base.log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(new.entropy, base.entropy, rtol=0, atol=1e-5)
