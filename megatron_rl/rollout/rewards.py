@@ -21,6 +21,7 @@ from typing import Any
 from megatron_rl.rollout.plugins import lookup_callable, register_in
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.synthetic_task import synthetic_reward
+from megatron_rl.rollout.synthetic_tool_task import tool_task_reward
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def exact_match(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float
 
 
 register_reward("synthetic")(synthetic_reward)
+register_reward("synthetic_tool")(tool_task_reward)
 
 
 @register_reward("math_answer")

@@ -48,12 +48,14 @@ def synthetic_reward(sample: Sample, text: str, metadata: Mapping[str, Any]) -> 
 
 @dataclass(frozen=True)
 class SFTPair:
-    """A supervised warm-up example; `response_ids` are the answer's tokens followed by EOS."""
+    """A supervised warm-up example; `response_ids` are the answer's tokens followed by EOS (or, for a multi-turn
+    example, every turn and observation)."""
 
     prompt: str
     answer: str
     prompt_ids: list[int]
     response_ids: list[int]
+    loss_mask: list[int] | None = None  # per response token, 1 = trained (None: all); 0 on observations
 
 
 class SyntheticTask:

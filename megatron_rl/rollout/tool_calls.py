@@ -5,6 +5,10 @@ calls are ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (s
 go back in a user turn of ``<tool_response>...</tool_response>`` blocks, as Qwen3's chat template renders
 ``role: "tool"`` messages. A call that cannot be run (malformed JSON, unknown tool, missing arguments) is parsed
 into a `ToolCallError` whose message becomes that call's result: the model reads its mistake; nothing raises.
+
+The second, "compact", is for character-level demo models, whose every character is a token: a call is
+``[tool:argument]`` (the tool's one required argument, e.g. ``[calculator:37*58]``), a result comes back as
+``=result`` and a newline, ~20 tokens a round trip where Hermes JSON takes ~75 for the call alone.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class ToolCallFormat(Protocol):
         ...
 
 
+def unknown_tool(name: str, tool_names: Collection[str]) -> ToolCallError:
+    return ToolCallError(f"error: unknown tool {name!r}; available: {', '.join(sorted(tool_names))}")
+
+
 def check_call(payload: str, tool_names: Collection[str]) -> ParsedCall:
     """Validate one call's JSON payload: an object with a known "name" and an "arguments" object (a JSON string
     holding an object is accepted too, as some models write it)."""
@@ -56,7 +64,7 @@ def check_call(payload: str, tool_names: Collection[str]) -> ParsedCall:
         return ToolCallError('error: a tool call must be a JSON object with a "name" and "arguments"')
     name = call["name"]
     if name not in tool_names:
-        return ToolCallError(f"error: unknown tool {name!r}; available: {', '.join(sorted(tool_names))}")
+        return unknown_tool(name, tool_names)
     arguments = call.get("arguments")
     if isinstance(arguments, str):
         try:
@@ -92,9 +100,53 @@ class HermesFormat:
         return f"\n<|im_start|>user{blocks}<|im_end|>\n{self.generation_prompt}"
 
 
-TOOL_CALL_FORMATS: dict[str, Callable[[], ToolCallFormat]] = {"hermes": HermesFormat, "qwen3": HermesFormat}
+class CompactFormat:
+    """``[tool:argument]`` calls (several per turn allowed), each answered by ``=result`` and a newline after the
+    turn's stop token. The argument is passed as the tool's single required parameter (from its JSON schema), so
+    only one-argument tools can be called; no escaping: the argument cannot contain "]"."""
+
+    _CALL = re.compile(r"\[([^\]]*)(\]|$)")
+
+    def parse(self, text: str, tool_names: Collection[str]) -> list[ParsedCall]:
+        calls: list[ParsedCall] = []
+        for match in self._CALL.finditer(text):
+            name, colon, argument = match[1].partition(":")
+            if not match[2]:
+                calls.append(ToolCallError("error: [ without ]"))
+            elif not colon:
+                calls.append(ToolCallError("error: a call is [tool:argument]"))
+            elif name not in tool_names:
+                calls.append(unknown_tool(name, tool_names))
+            else:
+                calls.append(_single_argument_call(name, argument))
+        return calls
+
+    def format_call(self, call: ToolCall) -> str:
+        """The text of `call` in this format (its one argument's value), for supervised examples."""
+        (argument,) = call.arguments.values()
+        return f"[{call.name}:{argument}]"
+
+    def format_results(self, results: list[str]) -> str:
+        return "".join(f"={result}\n" for result in results)
+
+
+def _single_argument_call(name: str, argument: str) -> ParsedCall:
+    """`argument` as the one required parameter of tool `name` (a registered name or dotted path)."""
+    from megatron_rl.rollout.tools import TOOLS
+
+    required = lookup(name, TOOLS, "tool").parameters.get("required", [])
+    if len(required) != 1:
+        return ToolCallError(f"error: {name!r} takes {len(required)} required arguments; [tool:argument] passes one")
+    return ToolCall(name, {required[0]: argument})
+
+
+TOOL_CALL_FORMATS: dict[str, Callable[[], ToolCallFormat]] = {
+    "hermes": HermesFormat,
+    "qwen3": HermesFormat,
+    "compact": CompactFormat,
+}
 
 
 def get_tool_call_format(name: str) -> ToolCallFormat:
-    """A registered format ("hermes", "qwen3") or a dotted path to a format class."""
+    """A registered format ("hermes", "qwen3", "compact") or a dotted path to a format class."""
     return lookup(name, TOOL_CALL_FORMATS, "tool-call format")()

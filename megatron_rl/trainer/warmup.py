@@ -14,8 +14,8 @@ from megatron_rl.trainer.rl_loss import sft_loss
 
 
 def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data: Any) -> None:
-    """`warmup.sft_steps` steps at `warmup.sft_lr` on the synthetic task's SFT split; the LR schedule of the
-    RL stage does not move."""
+    """`warmup.sft_steps` steps at `warmup.sft_lr` on the synthetic task's SFT split (multi-turn pairs train
+    their model turns only); the LR schedule of the RL stage does not move."""
     from tqdm import tqdm
 
     w = cfg.warmup
@@ -27,8 +27,14 @@ def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data: Any) -> None:
 
 
 def pairs_to_batch(pairs: list) -> TokenBatch:
+    """Right-padded prompt + response rows; `fields["loss_mask"]` is 1 on the response tokens that train (all of
+    them, or where a multi-turn pair's `loss_mask` is 1: its observations are not trained)."""
     lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pairs]
     ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
+    loss_mask = torch.zeros(len(pairs), max(lengths))
     for i, p in enumerate(pairs):
         ids[i, : lengths[i]] = torch.tensor(p.prompt_ids + p.response_ids)
-    return TokenBatch(ids, torch.tensor(lengths), torch.tensor([len(p.prompt_ids) for p in pairs]))
+        start = len(p.prompt_ids)
+        loss_mask[i, start : lengths[i]] = 1.0 if p.loss_mask is None else torch.tensor(p.loss_mask, dtype=torch.float)
+    starts = torch.tensor([len(p.prompt_ids) for p in pairs])
+    return TokenBatch(ids, torch.tensor(lengths), starts, fields={"loss_mask": loss_mask})
