@@ -276,7 +276,11 @@ class RolloutConfig:
 class DataConfig:
     """Prompts, answers and the reward."""
 
-    train: str = setting("synthetic", help="training prompts: a JSONL file, or 'synthetic' for the built-in task")
+    train: str = setting(
+        "synthetic",
+        help="training prompts: a JSONL/Parquet file, or a built-in task: 'synthetic' (reverse digits, the demo) or "
+        "'synthetic_tool' (multiplication with a calculator tool; rollout.env: tools)",
+    )
     eval: str | None = setting(None, help="evaluation prompts (JSONL or 'synthetic'); null = no evaluation")
     prompt_key: str = setting("prompt", help="JSONL field holding the prompt (text or chat messages)")
     answer_key: str = setting("answer", help="JSONL field holding the reference answer passed to the reward")

@@ -73,9 +73,14 @@ def check_input_paths(cfg: RLConfig) -> None:
             f"model.tokenizer_path={tokenizer!r} is not a directory: set it to the tokenizer's directory "
             "(tokenizer.json, tokenizer_config.json) or to null to use model.hf_path's"
         )
+    from megatron_rl.rollout.data import SYNTHETIC_TASKS
+
     for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-        if value is not None and value != "synthetic" and not Path(value).is_file():
-            errors.append(f"{key}={value!r}: no such file; give a JSONL or Parquet prompt file, or 'synthetic'")
+        if value is not None and value not in SYNTHETIC_TASKS and not Path(value).is_file():
+            errors.append(
+                f"{key}={value!r}: no such file; give a JSONL or Parquet prompt file, or a built-in task "
+                f"({', '.join(repr(t) for t in SYNTHETIC_TASKS)})"
+            )
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
@@ -116,7 +121,18 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             f"algo.norm_adv_by_std=false has no effect with algo.advantage={algo.advantage!r} (only 'grpo' "
             "divides by the group std); use algo.advantage=grpo or dr_grpo"
         )
-    if algo.overlong_buffer >= max_new:
+    multi_turn = rollout.env is not None or rollout.generate_fn is not None
+    if rollout.env is not None and rollout.generate_fn is not None:
+        errors.append(
+            f"rollout.env={rollout.env!r} and rollout.generate_fn={rollout.generate_fn!r} are both set: a custom "
+            "generate function replaces the environment loop; set one of them to null"
+        )
+    if multi_turn and algo.overlong_buffer >= rollout.turns.max_tokens:
+        errors.append(
+            f"algo.overlong_buffer={algo.overlong_buffer} must be < rollout.turns.max_tokens="
+            f"{rollout.turns.max_tokens}: multi-turn trajectories are penalised on their whole length"
+        )
+    elif not multi_turn and algo.overlong_buffer >= max_new:
         errors.append(
             f"algo.overlong_buffer={algo.overlong_buffer} must be < rollout.sampling.max_new_tokens={max_new}: "
             "the overlong penalty ramps over the last overlong_buffer tokens of the generation cap"

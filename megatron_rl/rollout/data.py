@@ -19,10 +19,9 @@ class PromptData:
         self.reward_fn = get_reward(cfg.data.reward)
         self.task = None
         self.train_iter = None
-        if cfg.data.train == "synthetic":
-            from megatron_rl.rollout.synthetic_task import SyntheticTask
-
-            self.task = SyntheticTask(seed=cfg.trainer.seed, tokenizer=tokenizer)
+        self.generate = _generate_batch(cfg, tokenizer)
+        if cfg.data.train in SYNTHETIC_TASKS:
+            self.task = _synthetic(self)
             self.stream = self.task.stream()
         else:
             from megatron_rl.rollout.prompts import PromptIterator, load_prompts
@@ -39,16 +38,18 @@ class PromptData:
 
     def collect(self, engine: Any, step: int) -> Any:
         """One step's rollout batch; sampling is seeded per step so a resumed run draws the same samples."""
-        from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch
+        from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch, generate_single_turn
 
         algo, rollout = self.cfg.algo, self.cfg.rollout
         overlong = None
         if algo.overlong_buffer > 0 or algo.overlong_filter:
+            multi_turn = self.generate is not generate_single_turn  # a trajectory's limit is on all its tokens
             overlong = OverlongOptions(
-                max_len=rollout.sampling.max_new_tokens,
+                max_len=rollout.turns.max_tokens if multi_turn else rollout.sampling.max_new_tokens,
                 cache_len=algo.overlong_buffer,
                 factor=algo.overlong_penalty_factor if algo.overlong_buffer > 0 else 0.0,
                 filter_truncated=algo.overlong_filter,
+                count_prompt=multi_turn,
             )
         return collect_batch(
             engine,
@@ -63,11 +64,13 @@ class PromptData:
             overlong=overlong,
             reward_timeout_s=self.cfg.data.reward_timeout_s,
             return_routed_experts=algo.routing_replay == "R3",
+            generate=self.generate,
         )
 
     def eval_prompts(self, n: int):
-        if self.cfg.data.eval == "synthetic":
-            return self.task.eval_prompts(n) if self.task is not None else _synthetic(self).eval_prompts(n)
+        if self.cfg.data.eval in SYNTHETIC_TASKS:
+            same = self.task is not None and self.cfg.data.eval == self.cfg.data.train
+            return (self.task if same else _synthetic(self, self.cfg.data.eval)).eval_prompts(n)
         from megatron_rl.rollout.prompts import load_prompts
 
         if not self.cfg.data.eval:
@@ -82,7 +85,10 @@ class PromptData:
 
     def sft_pairs(self, n: int, *, start: int):
         if self.task is None:
-            raise ValueError("warmup.sft_steps needs data.train: synthetic (no SFT data for other datasets yet)")
+            raise ValueError(
+                f"warmup.sft_steps needs a built-in synthetic task as data.train ({', '.join(SYNTHETIC_TASKS)}): "
+                "no SFT data for other datasets yet"
+            )
         return self.task.sft_pairs(n, start=start)
 
     def state_dict(self) -> dict:
@@ -100,7 +106,30 @@ class PromptData:
             self.train_iter.load_state_dict(state["prompts"])
 
 
-def _synthetic(data: PromptData):
-    from megatron_rl.rollout.synthetic_task import SyntheticTask
+# The built-in tasks (`data.train` / `data.eval` names): digit reversal (the demo) and the tool-use task.
+SYNTHETIC_TASKS = {
+    "synthetic": "megatron_rl.rollout.synthetic_task:SyntheticTask",
+    "synthetic_tool": "megatron_rl.rollout.synthetic_tool_task:ToolTask",
+}
 
-    return SyntheticTask(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)
+
+def _synthetic(data: PromptData, name: str | None = None):
+    """The built-in task `name` (default: `data.train`)."""
+    from megatron_rl.rollout.plugins import load_dotted
+
+    task_class = load_dotted(SYNTHETIC_TASKS[name or data.cfg.data.train], "synthetic task")
+    return task_class(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)
+
+
+def _generate_batch(cfg: RLConfig, tokenizer: Any):
+    """How a rollout try generates: single-turn, or multi-turn with `rollout.env` / `rollout.generate_fn`."""
+    from megatron_rl.rollout.dynamic_sampling import generate_single_turn
+
+    rollout = cfg.rollout
+    if rollout.env is None and rollout.generate_fn is None:
+        return generate_single_turn
+    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+
+    return MultiTurnRollout(
+        tokenizer, rollout.turns, env=rollout.env, env_options=rollout.env_options, generate_fn=rollout.generate_fn
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +33,28 @@ class OverlongOptions:
     filter_truncated: bool = field(
         default=False, metadata={"help": "exclude truncated responses (finish_reason 'length') from the loss"}
     )
+    count_prompt: bool = field(
+        default=False,
+        metadata={"help": "measure the whole sequence, prompt included (multi-turn: max_len = turns.max_tokens)"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.cache_len <= self.max_len:
             raise ValueError(f"need 0 <= cache_len <= max_len, got cache_len={self.cache_len}, max_len={self.max_len}")
         if self.factor < 0:
             raise ValueError(f"factor must be >= 0, got {self.factor}")
+
+
+# How one try generates: (engine, prompts, params, n, return_routed_experts) -> n samples per prompt, grouped
+# prompt by prompt. `generate_single_turn` below; `multi_turn.MultiTurnRollout` for environments.
+GenerateBatch = Callable[[RolloutEngine, list[Prompt], SamplingParams, int, bool], list[Sample]]
+
+
+def generate_single_turn(
+    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, n: int, return_routed_experts: bool
+) -> list[Sample]:
+    """One response per sample: the engine's own `generate`."""
+    return engine.generate([p.token_ids for p in prompts], params, n=n, return_routed_experts=return_routed_experts)
 
 
 @dataclass
@@ -69,6 +85,7 @@ def collect_batch(
     prompts_per_try: int | None = None,
     reward_timeout_s: float = 10.0,
     return_routed_experts: bool = False,
+    generate: GenerateBatch = generate_single_turn,
 ) -> RolloutBatch:
     """Generate `n_samples` responses for prompts from `prompt_source` until `batch_prompts` groups are kept.
 
@@ -78,7 +95,9 @@ def collect_batch(
     sampling every group is kept unless the engine aborted one of its samples. After `max_tries` tries (or when
     the prompt source runs out) the groups kept so far are returned with `filled=False`; kept groups beyond
     `batch_prompts` are discarded. Kept samples get `group_index` 0..kept_groups-1 and `metadata` with the
-    prompt's fields, "prompt" (text) and "answer".
+    prompt's fields, "prompt" (text) and "answer". `generate` makes the samples of a try (multi-turn rollouts
+    pass `multi_turn.MultiTurnRollout`; an environment's own reward, `metadata["env_reward"]`, is added to the
+    reward function's score).
     """
     if dynamic_sampling and n_samples < 2:
         raise ValueError("dynamic sampling drops groups with equal rewards: it needs n_samples >= 2")
@@ -96,13 +115,13 @@ def collect_batch(
             logger.warning("prompt source ran out after %d tries", tries)
             break
         tries += 1
-        samples = engine.generate(
-            [p.token_ids for p in prompts], params, n=n_samples, return_routed_experts=return_routed_experts
-        )
+        samples = generate(engine, prompts, params, n_samples, return_routed_experts)
         for sample in samples:
             prompt = prompts[sample.group_index]
             sample.metadata.update(prompt.metadata, prompt=prompt.text, answer=prompt.answer)
         stats += compute_rewards(samples, reward_fn, tokenizer, timeout_s=reward_timeout_s)
+        for sample in samples:
+            sample.reward += sample.metadata.get("env_reward", 0.0)
         _shape_overlong(samples, overlong)
         groups = [samples[i : i + n_samples] for i in range(0, len(samples), n_samples)]
         complete = [g for g in groups if all(s.finish_reason != "abort" for s in g)]
@@ -144,7 +163,7 @@ def _shape_overlong(samples: list[Sample], overlong: OverlongOptions | None) -> 
         sample.metadata["task_reward"] = sample.reward
     if overlong is None:
         return
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    lengths = torch.tensor([len(s.tokens if overlong.count_prompt else s.response_ids) for s in samples])
     penalties = overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor).tolist()
     for sample, penalty in zip(samples, penalties, strict=True):
         sample.reward += penalty

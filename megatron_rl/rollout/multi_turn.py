@@ -8,11 +8,14 @@ weight version; the trajectory keeps them aligned to the one final sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.env import Environment, Observation
+from megatron_rl.rollout.env import Environment, GenerateFn, Observation, get_env, get_generate_fn
 from megatron_rl.rollout.prompts import Prompt
+from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
@@ -78,3 +81,96 @@ def _token_ids(observation: Observation, tokenizer) -> list[int]:
     if isinstance(observation, str):
         return list(tokenizer(observation, add_special_tokens=False)["input_ids"]) if observation else []
     return list(observation)
+
+
+SEED_STRIDE = 1000  # sample k of a generate function draws with seed + k * SEED_STRIDE (turn t adds t)
+
+
+class MultiTurnRollout:
+    """Multi-turn generation for `dynamic_sampling.collect_batch`: `n` trajectories per prompt, each a `Sample`
+    whose response holds every turn and observation, with `loss_mask` 0 on the observations.
+
+    Built from `rollout.env` + `rollout.env_options` (one environment per trajectory, all advancing together) or
+    from `rollout.generate_fn` (called once per trajectory). The sample's `metadata` gets "turn_texts" (each
+    generated turn decoded: reward functions read the final answer there), "turns", "env_reward" (the
+    environment's summed contributions, added to the reward function's score by `collect_batch`), the
+    environment's counters under "env_metrics", and "weight_versions" spans `(version, start, end)` over response
+    positions when turns came from several versions.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: TurnLimits,
+        *,
+        env: str | Callable[..., Environment] | None = None,
+        env_options: Mapping[str, Any] | None = None,
+        generate_fn: str | GenerateFn | None = None,
+    ):
+        if (env is None) == (generate_fn is None):
+            raise ValueError("multi-turn rollouts need exactly one of rollout.env and rollout.generate_fn")
+        self.tokenizer, self.limits = tokenizer, limits
+        self.env_options = dict(env_options or {})
+        self.env_factory = get_env(env) if env is not None else None
+        self.generate_fn = get_generate_fn(generate_fn) if generate_fn is not None else None
+        if self.env_factory is not None:
+            self.new_env()  # bad options fail at start-up, naming the environment, not in the first rollout
+
+    def new_env(self) -> Environment:
+        assert self.env_factory is not None
+        try:
+            return self.env_factory(**self.env_options)
+        except TypeError as err:
+            raise ValueError(
+                f"rollout.env_options={self.env_options!r} do not fit environment {self.env_factory!r}: {err}"
+            ) from err
+
+    def __call__(
+        self, engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, n: int, return_routed_experts: bool
+    ) -> list[Sample]:
+        """`n` samples per prompt, grouped prompt by prompt (as `RolloutEngine.generate`)."""
+        repeated = [p for p in prompts for _ in range(n)]
+        if self.generate_fn is not None:
+            trajectories = [
+                self.generate_fn(
+                    engine, p, replace(params, seed=None if params.seed is None else params.seed + k * SEED_STRIDE)
+                )
+                for k, p in enumerate(repeated)
+            ]
+        else:
+            envs = [self.new_env() for _ in repeated]
+            trajectories = generate_with_envs(
+                engine,
+                envs,
+                repeated,
+                params,
+                self.tokenizer,
+                self.limits,
+                return_routed_experts=return_routed_experts,
+            )
+        return [trajectory_to_sample(t, k // n, self.tokenizer) for k, t in enumerate(trajectories)]
+
+
+def trajectory_to_sample(trajectory: Trajectory, group_index: int, tokenizer: Any) -> Sample:
+    """The `Sample` training takes: the whole response with its loss mask, the engine's log-probs (0.0 on
+    observation tokens, which the mask keeps out of every loss), the last turn's weight version."""
+    versions = trajectory.weight_versions
+    metadata: dict[str, Any] = {
+        "turn_texts": [tokenizer.decode(trajectory.response_ids[t.start : t.end]) for t in trajectory.turns],
+        "turns": len(trajectory.turns),
+        "env_reward": trajectory.reward,
+        "env_metrics": dict(trajectory.metrics),
+    }
+    if len(set(versions)) > 1:  # spans over response positions, as the engines report them
+        metadata["weight_versions"] = [(t.weight_version, t.start, t.end) for t in trajectory.turns]
+    return Sample(
+        prompt_ids=list(trajectory.prompt_ids),
+        response_ids=list(trajectory.response_ids),
+        response_log_probs=list(trajectory.response_log_probs),
+        finish_reason=trajectory.finish_reason,
+        weight_version=versions[-1],
+        group_index=group_index,
+        routed_experts=trajectory.routed_experts,
+        metadata=metadata,
+        loss_mask=list(trajectory.loss_mask),
+    )

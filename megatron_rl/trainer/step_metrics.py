@@ -37,12 +37,37 @@ def rollout_metrics(rollout: Any) -> dict[str, float]:
                 "rollout/truncated_frac": float(sum(s.truncated for s in samples) / len(samples)),
             }
         )
+        if any("turns" in s.metadata for s in samples):
+            metrics.update(multi_turn_metrics(samples))
+    return metrics
+
+
+def multi_turn_metrics(samples: list) -> dict[str, float]:
+    """Multi-turn rollouts: turns per trajectory, the environment's counters per trajectory (tool calls, tool
+    errors, ...), the tool-call success rate, and the share of response tokens that are observations."""
+    n = len(samples)
+    counters: dict[str, float] = {}
+    for s in samples:
+        for name, value in s.metadata.get("env_metrics", {}).items():
+            counters[name] = counters.get(name, 0.0) + value
+    response = sum(len(s.response_ids) for s in samples)
+    observed = sum(len(s.response_ids) - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
+    metrics = {
+        "multi_turn/turns_mean": sum(s.metadata.get("turns", 1) for s in samples) / n,
+        "multi_turn/observation_token_share": observed / max(response, 1),
+        **{f"multi_turn/{name}_per_trajectory": total / n for name, total in sorted(counters.items())},
+    }
+    if counters.get("tool_calls"):
+        metrics["multi_turn/tool_success_rate"] = 1.0 - counters.get("tool_errors", 0.0) / counters["tool_calls"]
     return metrics
 
 
 def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> dict[str, float]:
-    """Trainer vs rollout-engine log-probs of the same response tokens: mean |diff| and k3 KL."""
-    mask = batch.response_mask()
+    """Trainer vs rollout-engine log-probs of the trained tokens (multi-turn observations have no engine log-prob):
+    mean |diff| and k3 KL."""
+    mask = batch.response_mask() & (batch.fields["loss_mask"] > 0)
+    if not mask.any():
+        return {}
     trainer, engine = old_log_probs[mask], batch.fields["rollout_log_probs"][mask]
     return {
         "mismatch/logp_abs_diff": float((trainer - engine).abs().mean()),

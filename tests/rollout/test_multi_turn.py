@@ -148,3 +148,67 @@ def test_routes_of_a_multi_turn_sequence_equal_a_single_pass_recording(tiny_moe_
     finally:
         for h in hooks:
             h.remove()
+
+
+def _answer_reward(sample: Sample, text: str, metadata: dict) -> float:
+    """1.0 when the final turn says "84" (the reward functions of multi-turn tasks read `turn_texts`)."""
+    return float(metadata["turn_texts"][-1].removesuffix("<|im_end|>") == "84")
+
+
+def test_collect_batch_makes_multi_turn_samples_with_masks_and_rewards(tokenizer):
+    """`collect_batch` with a `MultiTurnRollout`: n trajectories per prompt as grouped `Sample`s whose loss mask is 0
+    exactly on the observation, the environment's reward added to the reward function's, the turns decoded."""
+    from megatron_rl.rollout.dynamic_sampling import collect_batch
+    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+
+    engine = ScriptedEngine(tokenizer, [CALL + "<|im_end|>", "84<|im_end|>"])
+    prompts = iter([Prompt("q", tokenizer("12*7?", add_special_tokens=False)["input_ids"], answer="84")] * 2)
+    rollout = MultiTurnRollout(tokenizer, TurnLimits(4, 400), env="tools")
+    batch = collect_batch(
+        engine, prompts, 2, 2, SamplingParams(max_new_tokens=200), _answer_reward, tokenizer=tokenizer,
+        dynamic_sampling=False, max_tries=1, generate=rollout,
+    )  # fmt: skip
+    assert [s.group_index for s in batch.samples] == [0, 0, 1, 1]
+    n_call = len(tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"])
+    for s in batch.samples:
+        n_obs = len(s.response_ids) - n_call - 3
+        assert s.loss_mask == [1] * n_call + [0] * n_obs + [1] * 3
+        assert s.metadata["turn_texts"] == [CALL + "<|im_end|>", "84<|im_end|>"]
+        assert (s.reward, s.metadata["turns"], s.metadata["env_metrics"]) == (
+            1.0,
+            2,
+            {"tool_calls": 1, "tool_errors": 0},
+        )
+        assert s.metadata["weight_versions"] == [("v1", 0, n_call), ("v2", n_call + n_obs, n_call + n_obs + 3)]
+
+
+def test_generate_fn_is_called_per_sample_with_its_own_seed(tokenizer):
+    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+    from megatron_rl.rollout.trajectory import TrajectoryBuilder
+
+    calls = []
+
+    def generate(engine, prompt, params):
+        calls.append(params.seed)
+        b = TrajectoryBuilder(prompt.token_ids, max_turns=2, max_tokens=50)
+        b.add_turn([5, 6], [-0.1, -0.2], "v0", "stop")
+        b.add_observation([7])
+        b.add_turn([8], [-0.3], "v1", "stop")
+        b.credit(0.5, {})
+        return b.build(done=True)
+
+    rollout = MultiTurnRollout(tokenizer, TurnLimits(), generate_fn=generate)
+    samples = rollout(None, [Prompt("a", [1, 2]), Prompt("b", [3])], SamplingParams(seed=7), 2, False)
+    assert calls == [7, 1007, 2007, 3007]
+    assert [s.group_index for s in samples] == [0, 0, 1, 1]
+    assert samples[2].tokens == [3, 5, 6, 7, 8] and samples[2].loss_mask == [1, 1, 0, 1]
+    assert samples[2].response_log_probs == [-0.1, -0.2, 0.0, -0.3] and samples[2].metadata["env_reward"] == 0.5
+
+
+def test_bad_environment_options_are_named_at_start_up(tokenizer):
+    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+
+    with pytest.raises(ValueError, match=r"rollout.env_options=\{'tool': \['calculator'\]\} do not fit environment"):
+        MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"tool": ["calculator"]})
+    with pytest.raises(ValueError, match="exactly one of rollout.env and rollout.generate_fn"):
+        MultiTurnRollout(tokenizer, TurnLimits())
