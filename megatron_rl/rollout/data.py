@@ -69,8 +69,10 @@ class PromptData:
 
     def eval_prompts(self, n: int):
         if self.cfg.data.eval in SYNTHETIC_TASKS:
-            same = self.task is not None and self.cfg.data.eval == self.cfg.data.train
-            return (self.task if same else _synthetic(self, self.cfg.data.eval)).eval_prompts(n)
+            task = self.task
+            if task is None or self.cfg.data.eval != self.cfg.data.train:
+                task = _synthetic(self, self.cfg.data.eval)
+            return task.eval_prompts(n)
         from megatron_rl.rollout.prompts import load_prompts
 
         if not self.cfg.data.eval:
