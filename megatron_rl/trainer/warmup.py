@@ -10,7 +10,6 @@ import torch.distributed as dist
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
-from megatron_rl.trainer.rl_loss import sft_loss
 
 
 def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data: Any) -> None:
@@ -38,3 +37,12 @@ def pairs_to_batch(pairs: list) -> TokenBatch:
         loss_mask[i, start : lengths[i]] = 1.0 if p.loss_mask is None else torch.tensor(p.loss_mask, dtype=torch.float)
     starts = torch.tensor([len(p.prompt_ids) for p in pairs])
     return TokenBatch(ids, torch.tensor(lengths), starts, fields={"loss_mask": loss_mask})
+
+
+def sft_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch):
+    """The warm-up's loss (`batch.LossFn`): mean negative log-likelihood of the trained response tokens
+    (`fields["loss_mask"]` of `pairs_to_batch`)."""
+    mask = mb.fields["loss_mask"].to(log_probs.device)
+    count = mask.sum().to(torch.int)
+    nll = -(log_probs * mask).sum()
+    return nll, count, {"sft/nll": float(nll.detach() / count.clamp(min=1))}
