@@ -1,9 +1,10 @@
-"""The rollout engine a run asks for: in-process transformers (`local`) or SGLang servers (connected to or
-launched with the command-line flags the config implies)."""
+"""The rollout engine a run asks for: transformers on this machine (`local`, in the trainer's process or in a
+child process) or SGLang servers (connected to or launched with the command-line flags the config implies)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -14,9 +15,7 @@ from megatron_rl.rollout.engine import RolloutEngine
 def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
     """The engine of `cfg.rollout`, serving the HF model in `model_dir` (the local engine runs on `device`)."""
     if cfg.rollout.engine == "local":
-        from megatron_rl.rollout.local_engine import LocalEngine
-
-        return LocalEngine(model_dir, device=device, weight_version="step-0")
+        return build_local_engine(cfg, model_dir, device)
     from megatron_rl.rollout.api_key import client_api_key, launch_api_key_file
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
@@ -50,6 +49,26 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
         )
     weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)
     return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
+
+
+def build_local_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
+    """`LocalEngine` in the trainer's process, or in a child process (`ProcessEngine`) per
+    `rollout.engine_process`."""
+    if local_engine_process(cfg) == "separate":
+        from megatron_rl.rollout.engine_process import ProcessEngine
+
+        return ProcessEngine(model_dir, device=device, weight_version="step-0")
+    from megatron_rl.rollout.local_engine import LocalEngine
+
+    return LocalEngine(model_dir, device=device, weight_version="step-0")
+
+
+def local_engine_process(cfg: RLConfig) -> Literal["trainer", "separate"]:
+    """Where the local engine runs: `rollout.engine_process`, with "auto" = a child process in async mode (so
+    generation overlaps training), the trainer's process otherwise."""
+    if cfg.rollout.engine_process != "auto":
+        return cfg.rollout.engine_process
+    return "separate" if cfg.trainer.mode == "async" else "trainer"
 
 
 # SGLang 0.5.23 builds every decoder layer of these families as MoE: it ignores `mlp_only_layers` and
