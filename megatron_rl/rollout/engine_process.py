@@ -220,7 +220,8 @@ class _Child:
         self._stopping = False
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {0: Future()}  # 0: the start-up answer
-        self._lock = threading.Lock()  # sending, and the pending table
+        self._lock = threading.Lock()  # the pending table
+        self._send_lock = threading.Lock()  # apart: the receiver never waits for a send (the pipe may be full)
         self._receiver = threading.Thread(target=self._receive, name="engine-process-receiver", daemon=True)
         self._receiver.start()
         try:
@@ -268,15 +269,15 @@ class _Child:
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
+        self._receiver.join()  # it sees the pipe close
         self.conn.close()
-        self._receiver.join()
         self.process.close()
 
     def _send(self, ident: int | None, method: str, args: tuple) -> None:
         if self.failure is not None:
             raise RolloutEngineError(self.failure)
         try:
-            with self._lock:
+            with self._send_lock:
                 self.conn.send((ident, method, args))
         except OSError as err:
             raise RolloutEngineError(self._died()) from err
@@ -285,14 +286,13 @@ class _Child:
         try:
             ok, payload = future.result(timeout_s)
         except FutureTimeout:
-            with self._lock:
-                self._pending.pop(ident, None)
-            if self.failure is None:
-                self.failure = (
+            self._fail(
+                RolloutEngineError(
                     f"the {PROCESS_NAME} (pid {self.pid}) did not answer {method!r} within {timeout_s:g} s: "
                     "recover() restarts it"
                 )
-            raise RolloutEngineError(self.failure) from None
+            )
+            ok, payload = future.result()
         if not ok:
             raise payload
         return payload
@@ -308,7 +308,12 @@ class _Child:
                     future.set_result((ok, payload))
         except (EOFError, OSError):
             pass
-        error = RuntimeError("ProcessEngine was shut down") if self._stopping else RolloutEngineError(self._died())
+        self._fail(RuntimeError("ProcessEngine was shut down") if self._stopping else RolloutEngineError(self._died()))
+
+    def _fail(self, error: Exception) -> None:
+        """No more answers will come (the child died or stopped answering): every waiting call raises `error`."""
+        if self.failure is None:
+            self.failure = str(error)
         with self._lock:
             waiting, self._pending = list(self._pending.values()), {}
         for future in waiting:

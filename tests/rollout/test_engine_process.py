@@ -191,8 +191,13 @@ def test_a_hung_child_times_out_and_recover_restarts_it(process_engine: ProcessE
     os.kill(pid, signal.SIGSTOP)
     process_engine.control_timeout_s = 1.0
     try:
+        errors: list[Exception] = []
+        waiting = threading.Thread(target=lambda: _catch(errors, process_engine.generate, PROMPTS, SEEDED))
+        waiting.start()  # a generate waits on the stopped child (its own timeout is 600 s)
         with pytest.raises(RolloutEngineError, match=rf"\(pid {pid}\) did not answer 'pause' within 1 s"):
             process_engine.pause()
+        waiting.join(timeout=10)  # the timeout failed it too
+        assert not waiting.is_alive() and "did not answer 'pause'" in str(errors[0])
         with pytest.raises(RolloutEngineError, match="did not answer"):  # no more waiting on it
             process_engine.generate(PROMPTS, SEEDED)
         assert not process_engine.healthy()
@@ -229,6 +234,13 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(process_engine: Process
     with pytest.raises(RuntimeError, match="shut down"):
         process_engine.generate(PROMPTS, SEEDED)
     assert _shm_entries() <= shm_before
+
+
+def _catch(errors: list[Exception], fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as err:
+        errors.append(err)
 
 
 def _after(seconds: float, fn):
