@@ -9,7 +9,7 @@ from megatron_rl.algorithms.aggregation import AGGREGATIONS, aggregate
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron_rl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossConfig, TokenLoss, policy_loss
 from megatron_rl.algorithms.reward_shaping import filter_groups, overlong_filter_mask, overlong_penalty
-from megatron_rl.algorithms.rollout_correction import rollout_correction_weights
+from megatron_rl.algorithms.rollout_correction import correction_stats, rollout_correction_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -25,5 +25,6 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "policy_loss",
+    "correction_stats",
     "rollout_correction_weights",
 ]

@@ -76,3 +76,23 @@ def rollout_correction_weights(
         else:
             weight = torch.where((weight >= low) & (weight <= high), weight, 0.0)
         return zero_invalid(weight, mask)
+
+
+def correction_stats(
+    weights: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str = "token",
+) -> dict[str, torch.Tensor]:
+    """Of `rollout_correction_weights`' output over the valid tokens: the mean weight, and the fraction the mode
+    changed (truncated to the cap, or masked to 0) from the raw ratio at `level`."""
+    mask = bool_mask(response_mask, old_log_probs)
+    with torch.no_grad():
+        log_ratio = zero_invalid(old_log_probs, mask) - zero_invalid(rollout_log_probs, mask)
+        raw = clamped_exp(_log_weight(log_ratio, mask, level))
+        return {
+            "rollout_is_weight_mean": masked_mean(weights, mask),
+            "rollout_is_corrected_frac": masked_mean((weights != raw).float(), mask),
+        }

@@ -155,6 +155,9 @@ def resolve(explicit: Mapping[str, Any]) -> RLConfig:
     cfg = build(RLConfig, tree)
     if cfg.model.tokenizer_path is None:
         cfg = replace(cfg, model=replace(cfg.model, tokenizer_path=cfg.model.hf_path))
+    if cfg.algo.rollout_correction == "auto":  # off-policy correction is on by default where samples are stale
+        correction = "tis" if cfg.trainer.mode == "async" else "none"
+        cfg = replace(cfg, algo=replace(cfg.algo, rollout_correction=correction))
     for note in validate(cfg):
         log.warning("config: %s", note)
     return cfg

@@ -119,10 +119,11 @@ class AlgoConfig:
         "k3", help="KL estimator of the loss term (megatron_rl.algorithms.KL_ESTIMATORS)", registry=KL_ESTIMATORS
     )
     entropy_coef: float = setting(0.0, help="entropy bonus coefficient (loss -= entropy_coef * entropy)")
-    rollout_correction: Literal["none", "tis", "mis", "icepop"] = setting(
-        "none",
-        help="importance weights for the rollout-engine/trainer mismatch: tis = truncate at cap, mis = drop "
-        "above cap, icepop = drop outside [low, high]",
+    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop"] = setting(
+        "auto",
+        help="importance weights for the rollout-engine/trainer mismatch (and, in async mode, the behaviour "
+        "policy's staleness: decoupled PPO): tis = truncate at cap, mis = drop above cap, icepop = drop outside "
+        "[low, high]; auto = tis in async mode, none in sync mode (resolved when the config is loaded)",
     )
     rollout_correction_level: Literal["token", "sequence", "geometric"] = setting(
         "token", help="rollout-correction ratio per token, per sequence (product) or geometric mean"
@@ -328,13 +329,9 @@ class TrainerConfig:
     max_staleness: int = setting(
         1,
         help="async mode: the most weight versions a trained sample may lag the trainer (1 = one-step off-policy; "
-        "0 = the async machinery with sync results)",
+        "0 = the async machinery with sync results). The producer starts the batch of step t only on weights of "
+        "version t-1-max_staleness or newer, so no sample is staler; each is checked",
         ge=0,
-    )
-    stale_samples: Literal["drop", "regenerate"] = setting(
-        "drop",
-        help="async mode: a group whose oldest token is more than max_staleness versions behind is dropped, or "
-        "its prompt is generated again with the current weights (either is counted in async/stale_groups)",
     )
     colocate: bool = setting(
         True, help="trainer and rollout engine share the GPUs and take turns; false = separate GPUs"

@@ -276,6 +276,19 @@ def _check_trainer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         )
     if trainer.resume not in ("auto", "never") and not Path(trainer.resume).exists():
         errors.append(f"trainer.resume={trainer.resume!r}: no such checkpoint (or use 'auto' / 'never')")
+    if trainer.mode == "async":
+        shared = {"trainer.offload_actor": trainer.offload_actor, "rollout.release_memory": cfg.rollout.release_memory}
+        for key, on in shared.items():
+            if on:
+                errors.append(
+                    f"{key}=true with trainer.mode=async: the engine generates while the trainer trains, so they "
+                    f"cannot take turns with the memory; set {key}=false (or trainer.mode=sync)"
+                )
+    elif cfg.rollout.partial:
+        errors.append(
+            "rollout.partial=true needs trainer.mode=async: only async mode updates weights while requests are in "
+            "flight"
+        )
 
 
 def _check_optimizer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:

@@ -35,6 +35,21 @@ class Sample:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON data (a checkpoint keeps an async run's generated, untrained samples); floats round-trip
+        exactly, routes as nested lists with their dtype."""
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        if self.routed_experts is not None:
+            data["routed_experts"] = {"dtype": str(self.routed_experts.dtype), "ids": self.routed_experts.tolist()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Sample:
+        routes = data.get("routed_experts")
+        if routes is not None:
+            routes = np.asarray(routes["ids"], dtype=routes["dtype"])
+        return cls(**{**data, "routed_experts": routes})
+
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"

@@ -2,14 +2,16 @@
 
 Read top to bottom: `train(cfg)` plans the run folder, builds the parts of a step (`StepParts`), warms the
 policy up with supervised steps when asked, then runs `trainer.steps` RL steps (`rl_step`), checkpointing
-and evaluating between them. Rank 0 owns the rollout engine (colocated, in-process) and broadcasts each
-step's samples to every rank; all ranks train.
+and evaluating between them. Rank 0 owns the rollout engine and broadcasts each step's samples to every rank;
+all ranks train. In async mode (`trainer.mode: async`) rank 0's batches come from a producer thread that
+generates ahead of the trainer (`async_rollout`); the step is otherwise the same.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,10 +39,18 @@ from megatron_rl.rollout.engine_factory import build_engine
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
+from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss
-from megatron_rl.trainer.rollout_phase import broadcast_object, collect_rollout, sync_or_defer, sync_weights
+from megatron_rl.trainer.rollout_phase import (
+    RolloutSource,
+    SyncRollout,
+    broadcast_object,
+    collect_rollout,
+    sync_or_defer,
+    sync_weights,
+)
 from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.step_metrics import mismatch_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
@@ -58,7 +68,8 @@ class TrainResult:
 
 @dataclass
 class StepParts:
-    """What an RL step works with. `engine` is rank 0's rollout engine (None on the other ranks)."""
+    """What an RL step works with. `engine` is rank 0's rollout engine and `source` where its step batches come
+    from (both None on the other ranks)."""
 
     cfg: RLConfig
     actor: MegatronActor
@@ -68,6 +79,13 @@ class StepParts:
     tokenizer: Any
     loss_fn: LossFn
     memory: ColocatedMemory
+    source: RolloutSource | None = None
+    producer: RolloutProducer | None = None  # async mode, rank 0
+
+    @property
+    def requests(self) -> RolloutEngine | None:
+        """The engine for requests outside the rollout (evaluation): through the producer's gate in async mode."""
+        return self.producer.engine if self.producer is not None else self.engine
 
 
 def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = False) -> TrainResult:
@@ -91,7 +109,8 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
             num_query_groups=dims.num_query_groups,
         )
         rank0 = stop.announce = dist.get_rank() == 0
-        engines: list = []  # the rollout engine once built: shut down however the run ends
+        engines: list = []  # the rollout engine (and async mode's producer, first) once built: shut down however
+        # the run ends
         try:
             # Rank 0 decides how this start uses output_dir, before the model is built; every rank gets the verdict.
             plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
@@ -157,6 +176,18 @@ def _run(
         parts.memory.for_rollout()
         if log is not None:
             log.log(0, evaluate(cfg, parts.engine, parts.data, parts.tokenizer))  # the starting point of the curve
+    if parts.engine is not None and cfg.trainer.mode == "async":
+        parts.producer = RolloutProducer(
+            cfg,
+            parts.engine,
+            parts.data,
+            next_step=state["step"] + 1,
+            last_step=cfg.trainer.steps,
+            version=state["step"],
+            queued=[ProducedBatch.from_json(b) for b in state.get("queued", [])],
+        )
+        engines.insert(0, parts.producer)
+        parts.source = AsyncRollout(parts.producer)
 
     stopped_by = None
     saves = checkpoint.BackgroundSaves() if cfg.trainer.async_save else None
@@ -167,7 +198,7 @@ def _run(
         if evaluating and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
             parts.memory.for_rollout()
             if rank0:
-                metrics.update(evaluate(cfg, parts.engine, parts.data, parts.tokenizer))
+                metrics.update(evaluate(cfg, parts.requests, parts.data, parts.tokenizer))
         saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
         if saved:
             metrics["time/checkpoint"] = _save(parts, plan, stop, step, metrics if rank0 else None, saves)
@@ -212,7 +243,8 @@ def _build_parts(
     memory = ColocatedMemory(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
-    return StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory), state
+    source = SyncRollout(engine, data) if engine is not None else None  # async mode: replaced once warmed up
+    return StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source), state
 
 
 def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: Path) -> None:
@@ -246,12 +278,14 @@ def _save(
     Seconds the loop was held up (a background save: waiting for the previous one, and the snapshot)."""
     parts.memory.for_training(keep_engine_weights=True)
     t = time.perf_counter()
+    # Async mode: the producer's generated, untrained batches and the prompt position after them.
+    rollout = parts.producer.checkpoint_state() if parts.producer is not None else {"data": parts.data.state_dict()}
     with stop.writing(f"checkpoint of step {step}"):
         checkpoint.save_checkpoint(
             parts.actor,
             plan.checkpoint_root,
             step,
-            {"step": step, "sft_done": True, "data": parts.data.state_dict(), "metrics_row": row},
+            {"step": step, "sft_done": True, **rollout, "metrics_row": row},
             keep_last=parts.cfg.trainer.keep_last or 10**9,
             run_id=plan.identity.run_id,
             background=saves,
@@ -279,11 +313,14 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank. Colocated: the engine
     #    holds the accelerator (memory.for_rollout), then hands it to the trainer (memory.for_training).
     p.memory.for_rollout()
-    samples, metrics = collect_rollout(cfg, step, actor, p.engine, p.data, p.memory)
+    samples, metrics = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory)
     p.memory.for_training()
     timings["time/rollout"] = time.perf_counter() - t0
     if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
-        if cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
+        if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
+            with p.source.updating(step) if p.source is not None else nullcontext():
+                sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync")
+        elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
             p.memory.for_weight_sync()
             sync_or_defer(actor, p.engine, cfg, version=f"step-{step - 1}", what=f"step {step}: weight sync")
         return {**metrics, **timings, **p.memory.pop_metrics(), "time/step": time.perf_counter() - t0}
@@ -330,10 +367,11 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         metrics.update(routes.metrics(update_routing))
     timings["time/train"] = time.perf_counter() - t
 
-    # 5. Weight sync to the rollout engine.
+    # 5. Weight sync to the rollout engine (async mode: between the producer's requests, on its schedule).
     t = time.perf_counter()
     p.memory.for_weight_sync()
-    sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync")
+    with p.source.updating(step) if p.source is not None else nullcontext():
+        sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync")
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
     metrics.update({**timings, **p.memory.pop_metrics()})

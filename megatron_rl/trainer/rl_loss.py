@@ -12,7 +12,7 @@ from typing import Literal, cast
 
 import torch
 
-from megatron_rl.algorithms import aggregate, kl_penalty, policy_loss, rollout_correction_weights
+from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
@@ -56,6 +56,9 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
             )
         else:
             loss, metrics = _packed_gspo(algo, kernel, log_probs, old, adv, mask, weights)
+        if weights is not None:
+            rollout = mb.fields["rollout_log_probs"].to(device)
+            metrics.update(correction_stats(weights, old, rollout, mask, level=algo.rollout_correction_level))
         out = {f"actor/{k}": float(v) for k, v in metrics.items()}
         out["actor/pg_loss"] = float(loss.detach())
         if algo.kl_coef > 0:

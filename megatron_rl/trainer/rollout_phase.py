@@ -1,12 +1,16 @@
 """The trainer's side of the rollout engine: one step's rollout (with server restarts) and the weight sync.
 
+A step's batch comes from a `RolloutSource`: `SyncRollout` generates it when asked; `async_rollout.AsyncRollout`
+takes it from the producer thread.
+
 The engine lives on rank 0 (`engine=None` elsewhere); every rank takes part in the weight export, so each
 function here is collective.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -16,20 +20,60 @@ from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
 
 
+class RolloutSource(Protocol):
+    """Where rank 0's step batches come from: generated now (`SyncRollout`) or by the producer thread
+    (`AsyncRollout`)."""
+
+    def produce(self, step: int) -> tuple[list, dict[str, float]]:
+        """Step `step`'s samples and rollout metrics; a `RolloutEngineError` when the engine failed."""
+        ...
+
+    def rewind(self) -> None:
+        """After a failure: the next `produce` generates the step's batch again from the same prompts."""
+        ...
+
+    def updating(self, version: int, *, on_schedule: bool = True) -> AbstractContextManager:
+        """Held while the weights of `version` are sent to the engine."""
+        ...
+
+
+class SyncRollout:
+    """Each step generates its batch when the trainer asks (`trainer.mode: sync`)."""
+
+    def __init__(self, engine: RolloutEngine, data: Any):
+        self.engine, self.data = engine, data
+        self._position: dict | None = None
+
+    def produce(self, step: int) -> tuple[list, dict[str, float]]:
+        self._position = self.data.state_dict()
+        rollout = self.data.collect(self.engine, step)
+        return rollout.samples, rollout_metrics(rollout)
+
+    def rewind(self) -> None:
+        self.data.load_state_dict(self._position)
+
+    def updating(self, version: int, *, on_schedule: bool = True) -> AbstractContextManager:
+        return nullcontext()
+
+
 def collect_rollout(
-    cfg: Any, step: int, actor: MegatronActor, engine: RolloutEngine | None, data: Any, memory: ColocatedMemory
+    cfg: Any,
+    step: int,
+    actor: MegatronActor,
+    engine: RolloutEngine | None,
+    source: RolloutSource | None,
+    memory: ColocatedMemory,
 ) -> tuple[list, dict[str, float]]:
-    """Rank 0 collects the step's samples and shares them. When a rollout server dies or hangs, the engine
-    restarts it, every rank re-sends the current weights and the step's rollout is retried from the same
-    prompt position (at most `rollout.restarts_per_step` times)."""
+    """Rank 0 takes the step's samples from `source` and shares them. When a rollout server (or the engine's
+    process) dies or hangs, the engine restarts it, every rank re-sends the current weights and the step's rollout
+    is retried from the same prompt position (at most `rollout.restarts_per_step` times)."""
     restarts = 0
     while True:
         outcome: Any = None
-        if engine is not None:
-            position = data.state_dict()
+        if engine is not None and source is not None:
             try:
-                rollout = data.collect(engine, step)
-                outcome = (rollout.samples, {**rollout_metrics(rollout), "rollout/restarts": restarts})
+                samples, metrics = source.produce(step)
+                outcome = (samples, {**metrics, "rollout/restarts": restarts})
             except RolloutEngineError as err:
                 outcome = err
                 if restarts < cfg.rollout.restarts_per_step:
@@ -37,7 +81,7 @@ def collect_rollout(
                         restarted = engine.recover()
                         print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
                               flush=True)  # fmt: skip
-                        data.load_state_dict(position)
+                        source.rewind()
                         outcome = "retry"
                     except RolloutEngineError as failed:  # reported to every rank below, so none waits forever
                         outcome = failed
@@ -51,7 +95,8 @@ def collect_rollout(
             return outcome
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
-        sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=f"step {step}: re-sending the weights")
+        with source.updating(step - 1, on_schedule=False) if source is not None else nullcontext():
+            sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=f"step {step}: re-sending the weights")
         memory.for_rollout()
 
 

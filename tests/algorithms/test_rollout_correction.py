@@ -117,3 +117,20 @@ def test_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rollout_correction_weights(**args)
+
+
+def test_correction_stats_count_the_truncated_and_masked_tokens_by_hand():
+    from megatron_rl.algorithms import correction_stats
+
+    # token ratios exp(delta): 1, e (> cap 2: truncated), e^-1, and a masked position
+    old = torch.tensor([[0.0, 1.0, -1.0, 5.0]])
+    rollout = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = rollout_correction_weights(old, rollout, mask, level="token", mode="tis", cap=2.0)
+    stats = correction_stats(w, old, rollout, mask, level="token")
+    assert float(stats["rollout_is_corrected_frac"]) == pytest.approx(1 / 3)
+    assert float(stats["rollout_is_weight_mean"]) == pytest.approx((1.0 + 2.0 + math.exp(-1.0)) / 3)
+    w = rollout_correction_weights(old, rollout, mask, level="token", mode="icepop", low=0.5, high=5.0)
+    stats = correction_stats(w, old, rollout, mask, level="token")  # e^-1 < 0.5: masked to 0
+    assert float(stats["rollout_is_corrected_frac"]) == pytest.approx(1 / 3)
+    assert float(stats["rollout_is_weight_mean"]) == pytest.approx((1.0 + math.e) / 3)

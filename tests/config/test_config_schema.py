@@ -76,7 +76,7 @@ def test_config_help_lists_every_key_with_default_and_help():
 
 def test_rollout_correction_literals_match_the_math():
     hints = typing.get_type_hints(AlgoConfig)
-    assert typing.get_args(hints["rollout_correction"]) == ("none", *rollout_correction.MODES)
+    assert typing.get_args(hints["rollout_correction"]) == ("auto", "none", *rollout_correction.MODES)
     assert typing.get_args(hints["rollout_correction_level"]) == rollout_correction.LEVELS
 
 
