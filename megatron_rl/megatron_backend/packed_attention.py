@@ -45,26 +45,30 @@ def packed_variant(cls: type) -> type:
             if attention_mask is not None:
                 raise ValueError("packed sequences take their causal masks from cu_seqlens, not an attention mask")
             # query/key/value arrive [tokens, heads, dim] (the attention squeezed the batch dimension).
-            out: torch.Tensor | None = None
-            for gather, scatter, keep in _length_buckets(packed_seq_params.cu_seqlens_q.tolist(), query.device):
+            cu_seqlens = tuple(packed_seq_params.cu_seqlens_q.tolist())
+            buckets, order = _length_buckets(cu_seqlens, query.shape[0], query.device)
+            rows = []
+            for gather, keep in buckets:
                 context = super().forward(
                     query[gather], key[gather], value[gather], None, attn_mask_type, attention_bias
                 )  # [longest, samples, heads * dim]
-                values = context.reshape(-1, context.shape[-1])[keep]
-                if out is None:
-                    out = values.new_zeros(query.shape[0], values.shape[-1])
-                out = out.index_put((scatter,), values)
-            assert out is not None
-            return out  # [tokens, heads * dim], as Transformer Engine's attention returns THD
+                rows.append(context.reshape(-1, context.shape[-1])[keep])
+            if cu_seqlens[-1] < query.shape[0]:  # tokens after the last segment: zeros
+                rows.append(rows[0].new_zeros(1, rows[0].shape[-1]))
+            return torch.cat(rows)[order]  # [tokens, heads * dim], as Transformer Engine's attention returns THD
 
     PackedCoreAttention.__name__ = PackedCoreAttention.__qualname__ = f"Packed{cls.__name__}"
     return PackedCoreAttention
 
 
-def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """The segments of a packed row grouped for the parent's causal attention, each group as one padded batch:
-    `(gather [longest, samples] token indices, scatter [real tokens] their packed positions, keep [real tokens] their
-    places in the flattened batch)`.
+@functools.lru_cache(maxsize=16)
+def _length_buckets(
+    cu_seqlens: tuple[int, ...], tokens: int, device: torch.device
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The segments of a packed row of `tokens` grouped for the parent's causal attention, each group as one padded
+    batch `(gather [longest, samples] token indices, keep [real tokens] their places in the flattened batch)`; and
+    `order` [tokens]: each packed token's row in the groups' real tokens concatenated (a row past them, zeros, for
+    tokens after the last segment). Cached: every layer of a forward pass asks for the same row's.
 
     Segments shorter than `ALONE_FROM` tokens are grouped by length (those in (2^(j-1), 2^j] together: one call per
     group rather than per sample, each padded at most to twice its length); longer ones, whose quadratic cost
@@ -75,15 +79,19 @@ def _length_buckets(cu_seqlens: list[int], device: torch.device) -> list[tuple[t
     for j, n in enumerate(lengths):
         key = (max(n - 1, 0).bit_length(), 0) if n < ALONE_FROM else (0, j + 1)
         groups.setdefault(key, []).append(j)
-    out: list[tuple[torch.Tensor, ...]] = []
+    buckets, scatter = [], []
     for members in groups.values():
         start = torch.tensor([starts[j] for j in members])
         length = torch.tensor([lengths[j] for j in members])
         pos = torch.arange(int(length.max())).unsqueeze(1)  # [longest, 1]
         gather = start + torch.minimum(pos, length - 1)  # [longest, samples]
         real = pos < length
-        out.append((gather.to(device), gather[real].to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
-    return out
+        buckets.append((gather.to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
+        scatter.append(gather[real])
+    placed = torch.cat(scatter)
+    order = torch.full((tokens,), len(placed))
+    order[placed] = torch.arange(len(placed))
+    return buckets, order.to(device)
 
 
 def with_local_core_attention(block_spec: Any, variant: Callable[[type], type]) -> Any:

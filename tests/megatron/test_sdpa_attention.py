@@ -4,6 +4,7 @@ scaling, MLA's value width, packed (THD) rows, the sink/window fallback; and a t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,14 @@ def test_packed_rows(megatron_world, heads: int, groups: int) -> None:
     )
     packing = Packing.of([5, 3, 17, 140, 16, 1], multiple=8)
     q, k, v = (t.squeeze(1) for t in _qkv(packing.total, 1, heads, groups))
-    _assert_same(unfused, sdpa, (q, k, v), packed_seq_params=packing.seq_params(torch.device("cpu")))
+    params = packing.seq_params(torch.device("cpu"))
+    _assert_same(unfused, sdpa, (q, k, v), packed_seq_params=params)
+    # cu_seqlens that stop before the row's end (no padding segment): the tokens after it get zeros
+    cu = params.cu_seqlens_q[:-1]
+    short = dataclasses.replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out, full = (sdpa(q, k, v, None, packed_seq_params=x) for x in (short, params))
+    assert packing.total > packing.used and not out[packing.used :].any()
+    torch.testing.assert_close(out[: packing.used], full[: packing.used], rtol=0, atol=0)
 
 
 def test_sinks_and_sliding_windows_fall_back_to_the_parent(megatron_world) -> None:
