@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +102,19 @@ class ProcessEngine:
 
     def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
         """Stream HF-named tensors bucket by bucket through the shared buffer; the child loads them as one update
-        (atomic w.r.t. decoding; a failure after some tensors loaded leaves it unhealthy, as `LocalEngine`)."""
+        (atomic w.r.t. decoding; a failure after some tensors loaded leaves it unhealthy, as `LocalEngine`).
+        The next bucket is taken from `buckets` while the child loads the previous one, and the end goes out
+        without waiting for the last bucket's answer."""
         with self._update_lock:
             child = self._live()
             child.post("update_begin", (version,))
-            sent = iter(buckets)
-            while (slots := self._next_bucket(child, sent)) is not None:
-                child.request("update_bucket", slots, timeout_s=self.control_timeout_s)
-            self._version = child.request("update_end", (), timeout_s=self.control_timeout_s)
+            sent, loading = iter(buckets), None  # loading: the bucket in the buffer, until the child answers
+            while (bucket := self._next_bucket(child, sent, loading)) is not None:
+                loading = child.submit("update_bucket", bucket)
+            end = child.submit("update_end", ())
+            if loading is not None:
+                child.wait(loading, timeout_s=self.control_timeout_s)
+            self._version = child.wait(end, timeout_s=self.control_timeout_s)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._call("release_memory", tags)
@@ -173,25 +179,35 @@ class ProcessEngine:
             raise RuntimeError("ProcessEngine was shut down")
 
     def _next_bucket(
-        self, child: _Child, buckets: Iterator[NamedTensorBucket]
+        self, child: _Child, buckets: Iterator[NamedTensorBucket], loading: _Request | None
     ) -> tuple[torch.Tensor | None, list[TensorSlot]] | None:
-        """Copy the next bucket into the shared buffer: (the buffer if the child has not seen it yet, the slots),
-        or None after the last one. When the sender's buckets fail, the child ends its update first (it then
-        reports unhealthy if tensors were loaded, as `LocalEngine`) and the sender's error is raised."""
+        """Copy the next bucket into the shared buffer once the child has loaded the one there (`loading`):
+        (the buffer if the child has not seen it yet, the slots), or None after the last one. When the sender's
+        buckets fail, the child ends its update first (it then reports unhealthy if tensors were loaded, as
+        `LocalEngine`) and the sender's error is raised."""
         try:
             bucket = next(buckets, None)
-            if bucket is None:
-                return None
+        except BaseException as err:
+            self._cancel_update(child, err)
+            raise
+        if bucket is None:
+            return None
+        if loading is not None:
+            child.wait(loading, timeout_s=self.control_timeout_s)  # the child's failure raises here
+        try:
             slots = bucket_slots(bucket)
             grown = self._fit_buffer(child, slots[-1].offset + slots[-1].nbytes if slots else 0)
             for slot, (_, tensor) in zip(slots, bucket, strict=True):
                 slot.view(self._buffer).copy_(tensor)
         except BaseException as err:
-            message = f"the weight buckets failed in the trainer: {type(err).__name__}: {err}"
-            with contextlib.suppress(RuntimeError):  # the child's own failure is reported by the next request
-                child.request("update_cancel", (message,), timeout_s=self.control_timeout_s)
+            self._cancel_update(child, err)
             raise
         return grown, slots
+
+    def _cancel_update(self, child: _Child, err: BaseException) -> None:
+        message = f"the weight buckets failed in the trainer: {type(err).__name__}: {err}"
+        with contextlib.suppress(RuntimeError):  # the answer is that error (or the child's own failure)
+            child.request("update_cancel", (message,), timeout_s=self.control_timeout_s)
 
     def _fit_buffer(self, child: _Child, nbytes: int) -> torch.Tensor | None:
         """The shared buffer holds `nbytes`; returns it when the child has not seen this buffer yet."""
@@ -201,6 +217,15 @@ class ProcessEngine:
             return None
         child.buffer_sent = self._buffer
         return self._buffer
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A request sent to the child, whose answer its future holds."""
+
+    ident: int
+    method: str
+    future: Future
 
 
 class _Child:
@@ -225,7 +250,7 @@ class _Child:
         self._receiver = threading.Thread(target=self._receive, name="engine-process-receiver", daemon=True)
         self._receiver.start()
         try:
-            self._wait(0, self._pending[0], "start", start_timeout_s)
+            self.wait(_Request(0, "start", self._pending[0]), timeout_s=start_timeout_s)
         except BaseException:
             self.stop(timeout_s=0)
             raise
@@ -245,17 +270,37 @@ class _Child:
         self._send(None, method, args)
 
     def request(self, method: str, args: tuple, *, timeout_s: float) -> Any:
-        future: Future = Future()
-        ident = next(self._ids)
+        return self.wait(self.submit(method, args), timeout_s=timeout_s)
+
+    def submit(self, method: str, args: tuple) -> _Request:
+        """Send a request; `wait` for its answer."""
+        request = _Request(next(self._ids), method, Future())
         with self._lock:
-            self._pending[ident] = future
+            self._pending[request.ident] = request.future
         try:
-            self._send(ident, method, args)
+            self._send(request.ident, method, args)
         except RolloutEngineError:
             with self._lock:
-                self._pending.pop(ident, None)
+                self._pending.pop(request.ident, None)
             raise
-        return self._wait(ident, future, method, timeout_s)
+        return request
+
+    def wait(self, request: _Request, *, timeout_s: float) -> Any:
+        """The answer to `request`, or its error raised here (a `RolloutEngineError` when the child died or did
+        not answer within `timeout_s`)."""
+        try:
+            ok, payload = request.future.result(timeout_s)
+        except FutureTimeout:
+            self._fail(
+                RolloutEngineError(
+                    f"the {PROCESS_NAME} (pid {self.pid}) did not answer {request.method!r} within {timeout_s:g} s: "
+                    "recover() restarts it"
+                )
+            )
+            ok, payload = request.future.result()
+        if not ok:
+            raise payload
+        return payload
 
     def stop(self, *, timeout_s: float) -> None:
         """Ask the child to shut down (when `timeout_s` > 0 and it is alive), kill it if it has not, reap it."""
@@ -281,21 +326,6 @@ class _Child:
                 self.conn.send((ident, method, args))
         except OSError as err:
             raise RolloutEngineError(self._died()) from err
-
-    def _wait(self, ident: int, future: Future, method: str, timeout_s: float) -> Any:
-        try:
-            ok, payload = future.result(timeout_s)
-        except FutureTimeout:
-            self._fail(
-                RolloutEngineError(
-                    f"the {PROCESS_NAME} (pid {self.pid}) did not answer {method!r} within {timeout_s:g} s: "
-                    "recover() restarts it"
-                )
-            )
-            ok, payload = future.result()
-        if not ok:
-            raise payload
-        return payload
 
     def _receive(self) -> None:
         """Resolve answers until the pipe closes; then fail whatever still waits."""

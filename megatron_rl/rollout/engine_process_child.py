@@ -91,7 +91,7 @@ def serve(conn: Connection, launch: EngineLaunch, parent_pid: int) -> None:
             stop_on_eos=launch.stop_on_eos,
         )
     except BaseException as err:
-        server.answer(0, False, err)
+        server.answer(0, False, _picklable(err))
         os._exit(1)
     server.engine = engine
     server.answer(0, True, None)
@@ -104,7 +104,7 @@ class _Server:
         self.conn = conn
         self.engine: Any = None
         self._send_lock = threading.Lock()
-        self._updates: queue.Queue = queue.Queue()  # (id, bucket views | _END | error) of the update in progress
+        self._update = _Update()  # the weight update in progress (or the last one)
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
     def run(self) -> None:
@@ -139,24 +139,24 @@ class _Server:
             elif method in workers:
                 threading.Thread(target=self._run, args=(ident, workers[method], args), daemon=True).start()
             elif method == "update_begin":
-                threading.Thread(target=self._update, args=args, daemon=True).start()
+                self._update = _Update()
+                threading.Thread(target=self._run_update, args=(self._update, *args), daemon=True).start()
             elif method == "update_bucket":
                 buffer, slots = args
                 if buffer is not None:
                     self._buffer = buffer
-                self._updates.put((ident, [(s.name, s.view(self._buffer)) for s in slots]))
+                self._to_update(ident, [(s.name, s.view(self._buffer)) for s in slots])
             elif method == "update_end":
-                self._updates.put((ident, _END))
+                self._to_update(ident, _END)
             elif method == "update_cancel":
-                self._updates.put((ident, RuntimeError(*args)))
+                self._to_update(ident, RuntimeError(*args))
             else:
                 self.answer(ident, False, ValueError(f"unknown request {method!r}"))
 
     def answer(self, ident: int | None, ok: bool, payload: Any) -> None:
+        """Send an answer; a failure's `payload` is an exception that went through `_picklable`."""
         if ident is None:
             return
-        if not ok:
-            payload = _picklable(payload)
         with self._send_lock:
             try:
                 self.conn.send((ident, ok, payload))
@@ -167,7 +167,7 @@ class _Server:
         try:
             result = fn(*args)
         except BaseException as err:
-            self.answer(ident, False, err)
+            self.answer(ident, False, _picklable(err))
         else:
             self.answer(ident, True, result)
 
@@ -177,39 +177,53 @@ class _Server:
         started.set()
         return self.engine.generate(prompts, params, n=n, return_routed_experts=routes)
 
-    def _update(self, version: str) -> None:
-        """Feed the streamed buckets to one `update_weights`; the request that ended it gets the outcome."""
-        waiting: list[int | None] = [None]  # the request whose answer waits on the engine
+    def _to_update(self, ident: int, item: Any) -> None:
+        """Queue a bucket (or the end) for the update in progress; answer at once if that update has failed."""
+        update = self._update
+        with update.lock:
+            if update.error is None:
+                update.queue.put((ident, item))
+                return
+        self.answer(ident, False, update.error)
+
+    def _run_update(self, update: _Update, version: str) -> None:
+        """Feed the streamed buckets to one `update_weights`. A bucket is answered once loaded (the sender may then
+        reuse the buffer) and `update_end` with the new version; on failure every request of this update still
+        waiting, or arriving later, gets the error."""
+        waiting: list[int] = []  # read from the queue, not answered yet
 
         def buckets() -> Iterator[NamedTensorBucket]:
             while True:
-                ident, item = self._updates.get()
-                waiting[0] = ident
+                ident, item = update.queue.get()
+                waiting.append(ident)
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                self.answer(ident, True, None)  # loaded: the sender may reuse the buffer
-                waiting[0] = None
+                self.answer(waiting.pop(), True, None)
 
         try:
             self.engine.update_weights(buckets(), version)
         except BaseException as err:
-            if waiting[0] is None:  # refused before the first bucket was read: answer the next request
-                waiting[0], _ = self._updates.get()
-            self.answer(waiting[0], False, err)
-            self._drain()
+            error = _picklable(err)
+            with update.lock:
+                update.error = error
+                while not update.queue.empty():
+                    waiting.append(update.queue.get_nowait()[0])
+            for ident in waiting:
+                self.answer(ident, False, error)
         else:
-            self.answer(waiting[0], True, self.engine.weight_version)
+            self.answer(waiting.pop(), True, self.engine.weight_version)
 
-    def _drain(self) -> None:
-        """Drop what the sender queued before it saw the failure."""
-        while True:
-            try:
-                self._updates.get_nowait()
-            except queue.Empty:
-                return
+
+class _Update:
+    """One streamed weight update: its queue of `(id, bucket views | _END | sender's error)` and its failure."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
 
 
 def _picklable(err: BaseException) -> BaseException:

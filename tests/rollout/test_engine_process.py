@@ -131,6 +131,11 @@ def test_update_weights_matches_the_in_process_update(process_engine, tiny_dir: 
     assert process_engine.recover() == []  # alive: the caller's full update repairs it
     process_engine.update_weights([weights], version="v2")  # one bucket larger than the buffer: it grows
     assert process_engine.healthy() and process_engine.weight_version == "v2"
+    with pytest.raises(WeightUpdateError, match=r"shape \(128, 63\)"):  # a bad bucket after a loaded one
+        process_engine.update_weights([weights[:5], [(name, tensor[:, :63])], weights[5:]], version="v3")
+    assert not process_engine.healthy() and process_engine.weight_version == "v2"
+    process_engine.update_weights([weights[:9], weights[9:]], version="v2")
+    assert process_engine.healthy()
     assert_same_samples(process_engine.generate(PROMPTS, SEEDED), LocalEngine(tiny_dir).generate(PROMPTS, SEEDED))
 
 
