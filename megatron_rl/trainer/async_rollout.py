@@ -240,7 +240,10 @@ class RolloutProducer:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self.gate.engine.abort()  # a request in flight ends at its next decode step
+        try:
+            self.gate.engine.abort()  # a request in flight ends at its next decode step
+        except RolloutEngineError:  # a dead engine has nothing in flight
+            pass
         self._thread.join(timeout=60)
 
     # ------------------------------------------------------------------ the producer thread

@@ -34,7 +34,7 @@ from megatron_rl.megatron_backend.models.architecture import model_dims
 from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
 from megatron_rl.rollout.data import PromptData
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.engine_factory import build_engine
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
@@ -422,14 +422,19 @@ def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> lis
 
 # ---------------------------------------------------------------------------------------------- parts
 def evaluate(cfg: RLConfig, engine: RolloutEngine | None, data: PromptData, tokenizer: Any) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts (rank 0, which holds the engine)."""
+    """Greedy accuracy on the held-out prompts (rank 0, which holds the engine). An engine that fails here is
+    reported and the evaluation skipped: the next rollout restarts it and re-sends the weights (every rank)."""
     if engine is None:
         raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine")
     from megatron_rl.rollout.rewards import compute_rewards
 
     prompts = data.eval_prompts(cfg.data.eval_prompts)
     params = replace(cfg.rollout.sampling, temperature=0.0)
-    samples = engine.generate([p.token_ids for p in prompts], params, n=1)
+    try:
+        samples = engine.generate([p.token_ids for p in prompts], params, n=1)
+    except RolloutEngineError as err:
+        print(f"evaluation skipped: the rollout engine failed ({err}); the next rollout recovers it", flush=True)
+        return {"eval/skipped": 1.0}
     for s, p in zip(samples, prompts, strict=True):
         s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
     compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)
