@@ -213,6 +213,13 @@ def test_a_hung_child_times_out_and_recover_restarts_it(process_engine: ProcessE
     assert_same_samples(process_engine.generate(PROMPTS, SEEDED), engine.generate(PROMPTS, SEEDED))
 
 
+def test_a_child_that_cannot_build_its_engine_raises_its_error_and_is_reaped(tmp_path: Path):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(OSError, match="missing"):  # transformers' own error, raised in the child
+        ProcessEngine(tmp_path / "missing")
+    assert set(multiprocessing.active_children()) == before
+
+
 def test_the_child_exits_when_its_parent_dies(tiny_dir: Path):
     script = (
         "import os, signal, sys\n"
