@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import tempfile
 import threading
@@ -59,14 +60,24 @@ def compute_loop(steps: int) -> None:
             w.grad = None
 
 
-def overlapped(generate: Callable[[], object], steps: int) -> float:
-    """Wall time of `generate` on a producer thread while this thread runs `compute_loop(steps)`."""
-    start = time.perf_counter()
+def cpu_seconds(child_pid: int) -> float:
+    """CPU time so far of this process (every thread) and the engine process (from /proc)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    fields = Path(f"/proc/{child_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return usage.ru_utime + usage.ru_stime + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def overlapped(generate: Callable[[], object], steps: int, child_pid: int) -> tuple[float, float]:
+    """Wall time of `generate` on a producer thread while this thread runs `compute_loop(steps)`, and the cores
+    both processes used meanwhile (CPU seconds / wall seconds): below 1 when they run one at a time (the GIL, or
+    a machine without a free core)."""
+    cpu, start = cpu_seconds(child_pid), time.perf_counter()
     producer = threading.Thread(target=generate)
     producer.start()
     compute_loop(steps)
     producer.join()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return wall, (cpu_seconds(child_pid) - cpu) / wall
 
 
 def main() -> None:
@@ -111,13 +122,15 @@ def main() -> None:
     one = seconds(lambda: compute_loop(200)) / 200
     steps = max(1, int(args.work * args.rollouts * statistics.median(generate["child"]) / one))
     overlap: dict[str, dict[str, list[float]]] = {
-        name: {"generate": [], "compute": [], "overlapped": []} for name in engines
+        name: {"generate": [], "compute": [], "overlapped": [], "cores": []} for name in engines
     }
     for _ in range(args.repeats):
         for name, engine in engines.items():
             overlap[name]["generate"].append(seconds(rollout(engine, args.rollouts)))
             overlap[name]["compute"].append(seconds(lambda: compute_loop(steps)))
-            overlap[name]["overlapped"].append(overlapped(rollout(engine, args.rollouts), steps))
+            wall, cores = overlapped(rollout(engine, args.rollouts), steps, child.pid)
+            overlap[name]["overlapped"].append(wall)
+            overlap[name]["cores"].append(cores)
     child.shutdown()
 
     med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in (("generate", generate), ("sync", sync))}
@@ -142,7 +155,8 @@ def main() -> None:
         m = {k: statistics.median(v) for k, v in runs.items()}
         sequential = m["generate"] + m["compute"]
         result["overlap"][name] = {
-            **{f"{k}_s": round(v, 4) for k, v in m.items()},
+            **{f"{k}_s": round(v, 4) for k, v in m.items() if k != "cores"},
+            "cores_used": round(m["cores"], 2),
             "sequential_s": round(sequential, 4),
             "speedup": round(sequential / m["overlapped"], 3),
         }
@@ -151,12 +165,13 @@ def main() -> None:
     print(f"model {args.spec} ({weight_mb:.2f} MB fp32); child threads {args.child_threads}, "
           f"parent threads {args.parent_threads}; child start {start_s:.1f} s")  # fmt: skip
     print(f"{'':>12} {'generate s':>11} {'sync ms':>9} {'gen x' + str(args.rollouts):>10} {'compute':>8} {'both':>7} "
-          f"{'speedup':>8}")  # fmt: skip
+          f"{'speedup':>8} {'cores':>6}")  # fmt: skip
     for name in engines:
         o = result["overlap"][name]
         print(
             f"{name:>12} {result['generate_s'][name]:>11.4f} {result['sync_ms'][name]:>9.2f} "
-            f"{o['generate_s']:>10.3f} {o['compute_s']:>8.3f} {o['overlapped_s']:>7.3f} {o['speedup']:>8.2f}"
+            f"{o['generate_s']:>10.3f} {o['compute_s']:>8.3f} {o['overlapped_s']:>7.3f} {o['speedup']:>8.2f} "
+            f"{o['cores_used']:>6.2f}"
         )
     print(f"load average before {load_before}, after {result['load_average']['after']}")
     date = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
