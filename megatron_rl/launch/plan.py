@@ -227,6 +227,15 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
         )
     if cfg.algo.kl_coef > 0:
         notes.append("KL reference weights are swapped from host memory (no extra GPU memory)")
+    if cfg.trainer.mode == "async":
+        k = cfg.trainer.max_staleness
+        notes.append(
+            f"async (trainer.max_staleness={k}): the servers generate the samples of step t+{k} while the trainer "
+            f"trains step t; weights reach them "
+            + ("by interrupting and continuing the requests in flight (rollout.partial)" if cfg.rollout.partial
+               else "between requests")
+            + ("; colocated, both share each GPU at once: prefer trainer.colocate=false" if colocated else "")
+        )  # fmt: skip
     return Plan(
         "colocated" if colocated else "disaggregated",
         cluster,

@@ -273,3 +273,14 @@ def test_precision_aware_dtypes_set_the_bytes_per_moment(overrides, bytes_per_pa
     m = plan.memory
     assert round((m.weights + m.grads + m.optimizer + m.activations + m.logits) * 1.1 / 2**30, 1) == total_gib
     assert "optimizer CPU offload" not in format_plan(plan)
+
+
+def test_async_plans_say_which_step_the_servers_generate() -> None:
+    cfg = _cfg("qwen3_235b_a22b_gspo_disaggregated.yaml", "trainer.mode=async", "rollout.partial=true")
+    plan = make_plan(cfg, _hf(QWEN235B), ClusterSpec(20, 8, 80, rollout_nodes=4))
+    assert (
+        "async (trainer.max_staleness=1): the servers generate the samples of step t+1 while the trainer trains "
+        "step t; weights reach them by interrupting and continuing the requests in flight (rollout.partial)"
+    ) in plan.notes
+    assert not any(note.startswith("async") for note in make_plan(_cfg("qwen3_235b_a22b_gspo_disaggregated.yaml"),
+                   _hf(QWEN235B), ClusterSpec(20, 8, 80, rollout_nodes=4)).notes)  # fmt: skip

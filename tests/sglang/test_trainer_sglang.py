@@ -97,6 +97,28 @@ def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path,
     assert any(r["rollout/reward_mean"] > 0 for r in history)  # the warmed-up weights reached the server
 
 
+@pytest.mark.parametrize("partial", [False, True], ids=["async", "async+partial"])
+def test_async_training_with_a_disaggregated_server(
+    sglang_py: str, model_dir: Path, tmp_path: Path, partial: bool
+) -> None:
+    """trainer.mode=async against a real server (P15): the producer's requests go over HTTP while the trainer
+    trains; weight updates reach the server between requests (or abort and continue them: rollout.partial), and
+    every sample comes back stamped with the version that generated it, at most one behind."""
+    with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
+        history = _train(
+            tmp_path / "run", model_dir, servers.urls[0], "rollout.weight_sync=distributed", "trainer.colocate=false",
+            "trainer.mode=async", f"rollout.partial={str(partial).lower()}", "trainer.steps=4",
+            api_key=(servers.api_key_file, servers.api_key),
+        )  # fmt: skip
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    for r in history:
+        assert r["actor/ppo_kl_first"] == 0.0 and r["async/staleness_max"] <= 1.0
+        if not partial:
+            assert r["async/staleness_mean"] == (0.0 if r["step"] == 1 else 1.0)
+        assert "actor/rollout_is_weight_mean" in r  # TIS is on by default in async mode
+    assert any(r["rollout/reward_mean"] > 0 for r in history)
+
+
 @pytest.mark.torchrun
 def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """The bf16 server's samples scored by the fp32 trainer with natural routing and with R3 replay.

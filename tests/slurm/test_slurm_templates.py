@@ -128,11 +128,13 @@ def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_disaggregated_job_trains_on_n1_and_serves_on_n2(cluster: str, model: Path, sglang_python: str,
                                                           tmp_path: Path) -> None:  # fmt: skip
     """scripts/slurm/disaggregated.sbatch on 2 nodes: n1 trains (1 rank), n2 runs a real SGLang server (CPU);
-    weights go from the trainer to the server over a gloo broadcast group after warm-up and every step."""
+    weights go from the trainer to the server over a gloo broadcast group after warm-up and every step. The run is
+    asynchronous (trainer.mode=async, one step off-policy): n2 generates step 2's samples while n1 trains step 1."""
     run = tmp_path / "run"
     overrides = (
         f"model.hf_path={model} warmup.sft_steps=100 warmup.sft_lr=2e-3 trainer.steps=2 trainer.save_every=1 "
-        "rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false"
+        "rollout.prompts_per_step=4 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false "
+        "trainer.mode=async"
     )
     env = {**os.environ, "CONFIG": "examples/tiny_moe_gspo.yaml", "RUN_DIR": str(run), "GPUS_PER_NODE": "1",
            "ROLLOUT_NODES": "1", "OVERRIDES": overrides, "SGLANG_PYTHON": sglang_python, "HEALTH_TIMEOUT": "300",
@@ -153,7 +155,9 @@ def test_disaggregated_job_trains_on_n1_and_serves_on_n2(cluster: str, model: Pa
     assert "step 2/2" in trainer_logs[0].read_text()
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2]
+    assert [r["async/staleness_mean"] for r in history] == [0.0, 1.0]  # step 2 trained on version 0's samples
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0
-        assert r["mismatch/logp_abs_diff"] < 1e-3  # the served weights are the trainer's (fp32 both sides)
+        # Step 1: the served weights are the trainer's (fp32 both sides); step 2: one version behind.
+        assert r["mismatch/logp_abs_diff"] < (1e-3 if r["step"] == 1 else 0.1)
     assert (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file()
