@@ -177,6 +177,17 @@ def test_abort_ends_a_generate_in_flight_with_its_partial_tokens(process_engine:
     assert [s.finish_reason for s in after] == ["length"] * 3  # an abort ends only the calls in progress
 
 
+def test_released_weights_refuse_generation_until_resumed_and_updated(process_engine: ProcessEngine, engine, weights):
+    process_engine.release_memory(["weights"])
+    with pytest.raises(RolloutEngineError, match=r"memory released"):  # the child's EngineMemory refusal
+        process_engine.generate(PROMPTS, SEEDED)
+    process_engine.resume_memory()
+    with pytest.raises(RolloutEngineError, match="not updated since"):
+        process_engine.generate(PROMPTS, SEEDED)
+    process_engine.update_weights([weights], version="v5")
+    assert_same_samples(process_engine.generate(PROMPTS, SEEDED), engine.generate(PROMPTS, SEEDED))
+
+
 def test_a_killed_child_fails_calls_and_recover_restarts_it(process_engine: ProcessEngine, engine, weights):
     pid = process_engine.pid
     os.kill(pid, signal.SIGKILL)
