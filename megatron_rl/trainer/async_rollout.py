@@ -18,8 +18,8 @@ sends new weights between requests. With `k = trainer.max_staleness`:
   restarts the engine, every rank re-sends the current weights, and the producer generates the batch again.
 
 Off-policy correction: the first update's ratio is against θ_old (the trainer's scoring), and the behaviour
-policy's log-probs enter through `algo.rollout_correction` (decoupled PPO, Hilton et al. 2021, arXiv 2110.00641
-eq. 3; AReaL, arXiv 2505.24298 eq. 5), on by default in async mode (docs/algorithms.md).
+policy's log-probs enter through `algo.rollout_correction` (decoupled PPO: Hilton et al. 2021, arXiv 2110.00641;
+AReaL, arXiv 2505.24298), on by default in async mode (docs/algorithms.md, item 17).
 """
 
 from __future__ import annotations
