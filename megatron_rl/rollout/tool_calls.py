@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megatron_rl.rollout.plugins import lookup
+from megatron_rl.rollout.tools import TOOLS
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,6 @@ class CompactFormat:
 
 def _single_argument_call(name: str, argument: str) -> ParsedCall:
     """`argument` as the one required parameter of tool `name` (a registered name or dotted path)."""
-    from megatron_rl.rollout.tools import TOOLS
-
     required = lookup(name, TOOLS, "tool").parameters.get("required", [])
     if len(required) != 1:
         return ToolCallError(f"error: {name!r} takes {len(required)} required arguments; [tool:argument] passes one")
