@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
+
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sample import Sample
 
@@ -75,8 +77,9 @@ def generate_continuing(
 
 def merge_continuation(first: Sample, cont: Sample) -> Sample:
     """`first` (aborted) followed by `cont`, generated from `first.tokens`: one sample of `first`'s prompt whose
-    tokens keep their own log-probs and versions. The continuation fed the whole sequence, so its routes are the
-    merged sample's."""
+    tokens keep their own log-probs and versions. Routes (R3) too: the positions `first`'s request fed keep its
+    routes (the old weights' choices, which sampled the tokens after them); the continuation's prefill re-ran them
+    with the new weights, and only its routes from `first`'s last token on are taken."""
     if cont.prompt_ids != first.tokens:
         raise ValueError("a continuation must be generated from the interrupted sample's whole sequence")
     offset = len(first.response_ids)
@@ -101,9 +104,16 @@ def merge_continuation(first: Sample, cont: Sample) -> Sample:
         finish_reason=cont.finish_reason,
         weight_version=cont.weight_version,
         group_index=first.group_index,
-        routed_experts=cont.routed_experts,
+        routed_experts=_joined_routes(first, cont),
         metadata=metadata,
     )
+
+
+def _joined_routes(first: Sample, cont: Sample):
+    if first.routed_experts is None or cont.routed_experts is None:  # aborted before the prompt ran: all new
+        return cont.routed_experts
+    fed = len(first.tokens) - 1  # `first`'s last token was sampled, never fed
+    return np.concatenate([first.routed_experts[:fed], cont.routed_experts[fed:]])
 
 
 def version_spans(sample: Sample) -> list[tuple[str, int, int]]:

@@ -32,16 +32,23 @@ def _weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _scored(model_dir: Path, tokens: list[int], start: int) -> np.ndarray:
-    """Log-probs of tokens[start:] under `model_dir`'s weights, by one forward pass over the whole sequence."""
+def _scored(model_dir: Path, tokens: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probs of tokens[start:] under `model_dir`'s weights, by one forward pass over the whole sequence, and
+    the routers' top-k at every fed position ([len(tokens) - 1, layers, top_k])."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    routes: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda m, i, o: routes.append(o[2]))
     logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0, start - 1 :].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[start:])[:, None])[:, 0].numpy()
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[start:])[:, None])[:, 0].numpy()
+    return logp, torch.stack(routes, dim=1).numpy()
 
 
 def test_partial_rollout_keeps_each_tokens_version_and_log_prob(models: tuple[Path, Path]) -> None:
     """A long generation interrupted by an update to other weights continues under them: every token's engine
-    log-prob equals what the weights of its own version give that token when the final sequence is scored."""
+    log-prob equals what the weights of its own version give that token when the final sequence is scored, and
+    every position's recorded routes are those of the weights that fed it."""
     v0, v1 = models
     engine = LocalEngine(v0, weight_version="step-0", stop_on_eos=False)
     gate = EngineGate(engine)
@@ -49,7 +56,9 @@ def test_partial_rollout_keeps_each_tokens_version_and_log_prob(models: tuple[Pa
     prompts = [[10, 11, 12], [20, 21]]
     params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=3)  # no stop: runs to the cap
     out: list[list[Sample]] = []
-    producer = threading.Thread(target=lambda: out.append(gated.generate(prompts, params, n=2)))
+    producer = threading.Thread(
+        target=lambda: out.append(gated.generate(prompts, params, n=2, return_routed_experts=True))
+    )
     producer.start()
     while engine.generated_tokens < 4 * 20:  # interrupt once every row has ~20 tokens
         time.sleep(0.002)
@@ -66,8 +75,14 @@ def test_partial_rollout_keeps_each_tokens_version_and_log_prob(models: tuple[Pa
         assert a0 == 0 and 0 < b0 == a1 < b1 == 120
         start = len(s.prompt_ids)
         logp = np.array(s.response_log_probs)
-        np.testing.assert_allclose(logp[:b0], _scored(v0, s.tokens, start)[:b0], atol=1e-5, rtol=0)
-        np.testing.assert_allclose(logp[a1:], _scored(v1, s.tokens, start)[a1:], atol=1e-5, rtol=0)
+        (logp0, routes0), (logp1, routes1) = _scored(v0, s.tokens, start), _scored(v1, s.tokens, start)
+        np.testing.assert_allclose(logp[:b0], logp0[:b0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(logp[a1:], logp1[a1:], atol=1e-5, rtol=0)
+        # R3: position p's routes come from the weights that fed it (and sampled token p + 1).
+        switch = start + b0 - 1  # the first position fed under step-1: the last step-0 token
+        assert s.routed_experts is not None and s.routed_experts.shape == routes0.shape
+        np.testing.assert_array_equal(s.routed_experts[:switch], routes0[:switch])
+        np.testing.assert_array_equal(s.routed_experts[switch:], routes1[switch:])
 
 
 def test_an_update_without_partial_waits_for_the_request_in_flight(models: tuple[Path, Path]) -> None:
@@ -89,14 +104,17 @@ def test_an_update_without_partial_waits_for_the_request_in_flight(models: tuple
 
 
 def test_merge_continuation_joins_tokens_versions_and_routes() -> None:
-    first = Sample([1, 2], [3, 4], [-0.1, -0.2], "abort", "step-0", group_index=5, metadata={"answer": "x"})
-    routes = np.zeros((5, 2, 2), dtype=np.uint8)
-    cont = Sample([1, 2, 3, 4], [5, 6], [-0.3, -0.4], "stop", "step-1", routed_experts=routes)
+    old_routes = np.full((3, 2, 2), 7, dtype=np.uint8)  # positions 0-2 fed by the first request
+    first = Sample([1, 2], [3, 4], [-0.1, -0.2], "abort", "step-0", 5, old_routes, metadata={"answer": "x"})
+    new_routes = np.zeros((5, 2, 2), dtype=np.uint8)  # the continuation re-fed 0-3 and fed 4
+    cont = Sample([1, 2, 3, 4], [5, 6], [-0.3, -0.4], "stop", "step-1", routed_experts=new_routes)
     merged = merge_continuation(first, cont)
     assert merged.tokens == [1, 2, 3, 4, 5, 6] and merged.response_log_probs == [-0.1, -0.2, -0.3, -0.4]
     assert (merged.finish_reason, merged.weight_version, merged.group_index) == ("stop", "step-1", 5)
     assert merged.metadata["weight_versions"] == [("step-0", 0, 2), ("step-1", 2, 4)]
-    assert merged.metadata["answer"] == "x" and merged.routed_experts is routes
+    assert merged.metadata["answer"] == "x" and merged.routed_experts is not None
+    # Each position keeps the routes of the weights that fed it and sampled the next token.
+    assert merged.routed_experts[:, 0, 0].tolist() == [7, 7, 7, 0, 0]
     with pytest.raises(ValueError, match="whole sequence"):
         merge_continuation(first, Sample([1, 2], [5], [-0.3], "stop", "step-1"))
 
