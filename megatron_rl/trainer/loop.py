@@ -52,7 +52,7 @@ from megatron_rl.trainer.rollout_phase import (
     sync_weights,
 )
 from megatron_rl.trainer.run_log import RunLog, run_header
-from megatron_rl.trainer.step_metrics import mismatch_metrics, update_metrics
+from megatron_rl.trainer.step_metrics import mismatch_metrics, multi_turn_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.warmup import supervised_warmup
 
@@ -431,14 +431,17 @@ def evaluate(cfg: RLConfig, engine: RolloutEngine | None, data: PromptData, toke
     prompts = data.eval_prompts(cfg.data.eval_prompts)
     params = replace(cfg.rollout.sampling, temperature=0.0)
     try:
-        samples = engine.generate([p.token_ids for p in prompts], params, n=1)
+        samples = data.generate(engine, prompts, params, 1, False)  # multi-turn with rollout.env / generate_fn
     except RolloutEngineError as err:
         print(f"evaluation skipped: the rollout engine failed ({err}); the next rollout recovers it", flush=True)
         return {"eval/skipped": 1.0}
     for s, p in zip(samples, prompts, strict=True):
         s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
     compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)
-    return {"eval/accuracy": sum(s.reward is not None and s.reward > 0.5 for s in samples) / len(samples)}
+    metrics = {"eval/accuracy": sum(s.reward is not None and s.reward > 0.5 for s in samples) / len(samples)}
+    if any("turns" in s.metadata for s in samples):  # the greedy trajectories' tool use
+        metrics.update({f"eval/{k.split('/', 1)[1]}": v for k, v in multi_turn_metrics(samples).items()})
+    return metrics
 
 
 def prepare_model_dir(cfg: RLConfig) -> Path:

@@ -125,11 +125,3 @@ def _as_sum(loss: torch.Tensor, mask: torch.Tensor, agg: str, *, real_rows: int)
         return loss * mask.shape[0], torch.tensor(real_rows, dtype=torch.int)
     count = (valid.sum(-1) > 0).sum()
     return loss * count, count.to(torch.int)
-
-
-def sft_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch):
-    """Supervised warm-up: mean negative log-likelihood of the response (answer) tokens."""
-    mask = mb.response_mask().to(log_probs.device).float()
-    count = mask.sum().to(torch.int)
-    nll = -(log_probs * mask).sum()
-    return nll, count, {"sft/nll": float(nll.detach() / count.clamp(min=1))}

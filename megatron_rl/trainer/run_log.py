@@ -21,6 +21,17 @@ PLOTS = (
     ("reward.png", "reward and held-out accuracy", ("rollout/reward_mean", "eval/accuracy")),
     ("train.png", "policy", ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm")),
     ("mismatch.png", "trainer vs rollout log-probs", ("mismatch/logp_abs_diff", "mismatch/k3_kl")),
+    (
+        "tools.png",
+        "multi-turn tool use (rollouts)",
+        (
+            "multi_turn/tool_success_rate",
+            "multi_turn/tool_calls_per_trajectory",
+            "multi_turn/turns_mean",
+            "multi_turn/observation_token_share",
+        ),
+    ),
+    ("async.png", "asynchronous RL", ("async/staleness_mean", "async/trainer_wait_s", "async/engine_wait_s")),
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,7 +42,9 @@ def evaluate(expression: str) -> Number:
     if len(expression) > MAX_CHARS:
         raise CalculatorError(f"expression longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)  # the model's text: an invalid literal is its error
+            tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, RecursionError, MemoryError) as err:
         raise CalculatorError("not an arithmetic expression") from err
     return _value(tree.body)
