@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.rollout.engine_process import ProcessEngine
 from megatron_rl.rollout.local_engine import LocalEngine
 from megatron_rl.rollout.synthetic_task import SyntheticTask
@@ -53,11 +54,9 @@ def compute_loop(steps: int) -> None:
     x = torch.randn(64, 64)
     w = torch.randn(64, 64, requires_grad=True)
     for _ in range(steps):
-        loss = torch.tanh(x @ w).square().mean()
-        loss.backward()
+        (grad,) = torch.autograd.grad(torch.tanh(x @ w).square().mean(), w)
         with torch.no_grad():
-            w -= 1e-3 * w.grad
-            w.grad = None
+            w -= 1e-3 * grad
 
 
 def cpu_seconds(child_pid: int) -> float:
@@ -103,20 +102,20 @@ def main() -> None:
     t0 = time.perf_counter()
     child = ProcessEngine(model_dir, torch_threads=args.child_threads)
     start_s = time.perf_counter() - t0
-    engines = {"in_process": local, "child": child}
+    engines: dict[str, RolloutEngine] = {"in_process": local, "child": child}
 
-    def rollout(engine, batches: int = 1) -> Callable[[], object]:
+    def rollout(engine: RolloutEngine, batches: int = 1) -> Callable[[], object]:
         return lambda: [engine.generate(prompts, DEMO, n=8) for _ in range(batches)]
 
     for engine in engines.values():  # warm-up: first calls allocate
         rollout(engine)()
         engine.update_weights([weights], "warm")
-    generate = {name: [] for name in engines}
-    sync = {name: [] for name in engines}
+    generate: dict[str, list[float]] = {name: [] for name in engines}
+    sync: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.repeats):
         for name, engine in engines.items():
             generate[name].append(seconds(rollout(engine)))
-            sync[name].append(seconds(lambda e=engine, v=f"v{r}": e.update_weights([weights], v)))
+            sync[name].append(seconds(functools.partial(engine.update_weights, [weights], f"v{r}")))
 
     # calibrate the compute loop to `--work` rollouts of the child, then time each alone and overlapped
     one = seconds(lambda: compute_loop(200)) / 200

@@ -100,6 +100,8 @@ def serve(conn: Connection, launch: EngineLaunch, parent_pid: int) -> None:
 
 
 class _Server:
+    """The child's request loop around its engine, and its answers (sent whole, one at a time)."""
+
     def __init__(self, conn: Connection):
         self.conn = conn
         self.engine: Any = None
