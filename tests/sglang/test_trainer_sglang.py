@@ -119,6 +119,24 @@ def test_async_training_with_a_disaggregated_server(
     assert any(r["rollout/reward_mean"] > 0 for r in history)
 
 
+def test_multi_turn_training_with_a_server(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
+    """Multi-turn rollouts (P16) through a real server, R3 on: each turn is a request whose prefix comes from the
+    radix cache; the trainer scores the final sequences with the server's routes replayed, on-policy."""
+    with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
+        history = _train(
+            tmp_path / "run", model_dir, servers.urls[0], "rollout.env=tests.trainer.multi_turn_env:AckEnv",
+            "rollout.env_options={turns: 3}", "rollout.turns.max_tokens=48", "algo.routing_replay=R3",
+            api_key=(servers.api_key_file, servers.api_key),
+        )  # fmt: skip
+    assert len(history) == 3
+    for r in history:
+        assert r["actor/ppo_kl_first"] == 0.0
+        assert r["multi_turn/turns_mean"] > 2.0 and r["multi_turn/observation_token_share"] > 0.1
+        # fp32 on both sides, the server's routes replayed: kernel differences only, over every turn.
+        assert r["mismatch/logp_abs_diff"] < 1e-3, r["mismatch/logp_abs_diff"]
+        assert r["routing/rollout_agreement"] > 0.99
+
+
 @pytest.mark.torchrun
 def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """The bf16 server's samples scored by the fp32 trainer with natural routing and with R3 replay.
