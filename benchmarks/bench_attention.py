@@ -11,7 +11,8 @@ Then a cProfile of `--profile-passes` scoring passes of each: the share of the t
 cumulative time of the core attention module's outermost `forward`: the packed wrapper when packing is on).
 
     python benchmarks/bench_attention.py [--repeats 5] [--passes 10] [--spec demo|bench] [--threads 1]
-Results: a table on stdout and JSON in benchmarks/results/attention_<spec>_<date>.json (with the load average).
+Results: a table on stdout and JSON in benchmarks/results/attention_<spec>_packing-<on/off>_threads<n>_<date>.json
+(with the load averages).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def main() -> None:
         print(f"cProfile, {args.profile_passes} scoring passes, {mode}: core attention {s['core_attention_s']:.3f} s "
               f"of {s['compute_log_probs_s']:.3f} s ({s['share']:.0%})")  # fmt: skip
     stamp = datetime.date.today().strftime("%Y%m%d")
-    out = ROOT / "benchmarks" / "results" / f"attention_{args.spec}_packing-{args.packing}_{stamp}.json"
+    name = f"attention_{args.spec}_packing-{args.packing}_threads{args.threads}_{stamp}.json"
+    out = ROOT / "benchmarks" / "results" / name
     out.write_text(json.dumps({"args": vars(args), "tokens": tokens, "loads": loads, "max_logprob_diff": max_err,
                                "medians_s": med, "speedup": {p: med[p]["unfused"] / med[p]["sdpa"] for p in med},
                                "profile": shares, "times_s": times}, indent=1) + "\n")  # fmt: skip

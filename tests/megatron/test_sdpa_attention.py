@@ -1,6 +1,7 @@
 """The local spec's SDPA core attention equals Megatron's unfused `DotProductAttention` (fp32, forward and
 gradients): causal, grouped-query, an explicit mask with a fully masked row, a decode step, query-key layer
-scaling, MLA's value width, packed (THD) rows, the sink/window fallback; and a tiny Qwen3-MoE's log-probs."""
+scaling, MLA's value width, packed (THD) rows, the sink/window fallback, dropout only while training; and a tiny
+Qwen3-MoE's log-probs and entropies (padded and packed)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _config(heads: int, groups: int, **kw):
 
     return TransformerConfig(
         num_layers=4, hidden_size=heads * 8, num_attention_heads=heads, num_query_groups=groups, kv_channels=8,
-        attention_dropout=0.0, **kw,
+        **{"attention_dropout": 0.0, **kw},
     )  # fmt: skip
 
 
@@ -149,3 +150,16 @@ def test_tiny_qwen3_moe_log_probs_sdpa_vs_unfused(megatron_world, tiny_moe_dir: 
         base, new = scores["unfused", packing], scores["sdpa", packing]
         torch.testing.assert_close(new.log_probs, base.log_probs, rtol=0, atol=1e-5)
         torch.testing.assert_close(new.entropy, base.entropy, rtol=0, atol=1e-5)
+
+
+def test_attention_dropout_only_while_training(megatron_world) -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    unfused, sdpa = _pair(DotProductAttention, _config(4, 2, attention_dropout=0.5))
+    qkv = _qkv(12, 2, 4, 2)
+    unfused.eval()
+    sdpa.eval()
+    _assert_same(unfused, sdpa, qkv)
+    sdpa.train()
+    dropped = sdpa(*qkv, None)
+    assert not torch.allclose(dropped, sdpa.eval()(*qkv, None))  # some probabilities dropped (and the rest scaled)
