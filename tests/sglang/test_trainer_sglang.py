@@ -97,19 +97,26 @@ def test_train_with_sglang_fp32(sglang_py: str, model_dir: Path, tmp_path: Path,
     assert any(r["rollout/reward_mean"] > 0 for r in history)  # the warmed-up weights reached the server
 
 
+@pytest.fixture(scope="module")
+def fp32_server(sglang_py: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One fp32 server for the runs below: each run syncs its own warmed-up weights into it first."""
+    with _launch(sglang_py, model_dir, "float32", tmp_path_factory.mktemp("fp32_server_logs")) as servers:
+        yield servers
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["async", "async+partial"])
 def test_async_training_with_a_disaggregated_server(
-    sglang_py: str, model_dir: Path, tmp_path: Path, partial: bool
+    fp32_server: SGLangServers, model_dir: Path, tmp_path: Path, partial: bool
 ) -> None:
     """trainer.mode=async against a real server (P15): the producer's requests go over HTTP while the trainer
     trains; weight updates reach the server between requests (or abort and continue them: rollout.partial), and
     every sample comes back stamped with the version that generated it, at most one behind."""
-    with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
-        history = _train(
-            tmp_path / "run", model_dir, servers.urls[0], "rollout.weight_sync=distributed", "trainer.colocate=false",
-            "trainer.mode=async", f"rollout.partial={str(partial).lower()}", "trainer.steps=4",
-            api_key=(servers.api_key_file, servers.api_key),
-        )  # fmt: skip
+    servers = fp32_server
+    history = _train(
+        tmp_path / "run", model_dir, servers.urls[0], "rollout.weight_sync=distributed", "trainer.colocate=false",
+        "trainer.mode=async", f"rollout.partial={str(partial).lower()}", "trainer.steps=4",
+        api_key=(servers.api_key_file, servers.api_key),
+    )  # fmt: skip
     assert [r["step"] for r in history] == [1, 2, 3, 4]
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0 and r["async/staleness_max"] <= 1.0
@@ -119,15 +126,15 @@ def test_async_training_with_a_disaggregated_server(
     assert any(r["rollout/reward_mean"] > 0 for r in history)
 
 
-def test_multi_turn_training_with_a_server(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
+def test_multi_turn_training_with_a_server(fp32_server: SGLangServers, model_dir: Path, tmp_path: Path) -> None:
     """Multi-turn rollouts (P16) through a real server, R3 on: each turn is a request whose prefix comes from the
     radix cache; the trainer scores the final sequences with the server's routes replayed, on-policy."""
-    with _launch(sglang_py, model_dir, "float32", tmp_path / "logs") as servers:
-        history = _train(
-            tmp_path / "run", model_dir, servers.urls[0], "rollout.env=tests.trainer.multi_turn_env:AckEnv",
-            "rollout.env_options={turns: 3}", "rollout.turns.max_tokens=48", "algo.routing_replay=R3",
-            api_key=(servers.api_key_file, servers.api_key),
-        )  # fmt: skip
+    servers = fp32_server
+    history = _train(
+        tmp_path / "run", model_dir, servers.urls[0], "rollout.env=tests.trainer.multi_turn_env:AckEnv",
+        "rollout.env_options={turns: 3}", "rollout.turns.max_tokens=48", "algo.routing_replay=R3",
+        api_key=(servers.api_key_file, servers.api_key),
+    )  # fmt: skip
     assert len(history) == 3
     for r in history:
         assert r["actor/ppo_kl_first"] == 0.0
