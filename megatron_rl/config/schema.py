@@ -243,6 +243,12 @@ class RolloutConfig:
         "of rank 0 that takes new weights through shared memory, so generation overlaps training in async mode; "
         "auto = separate in async mode, trainer otherwise",
     )
+    engine_threads: int = setting(
+        1,
+        help="rollout.engine_process=separate: torch threads of the engine's process; on CPU they come out of the "
+        "trainer's (it keeps the rest, at least one)",
+        ge=1,
+    )
     partial: bool = setting(
         False,
         help="async mode: at a weight update, generations in flight are interrupted and continued under the new "

@@ -57,7 +57,11 @@ def build_local_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> 
     if local_engine_process(cfg) == "separate":
         from megatron_rl.rollout.engine_process import ProcessEngine
 
-        return ProcessEngine(model_dir, device=device, weight_version="step-0")
+        threads = cfg.rollout.engine_threads
+        engine = ProcessEngine(model_dir, device=device, weight_version="step-0", torch_threads=threads)
+        if device.type == "cpu":  # both processes compute on the same cores: the engine's come out of the trainer's
+            torch.set_num_threads(max(1, torch.get_num_threads() - threads))
+        return engine
     from megatron_rl.rollout.local_engine import LocalEngine
 
     return LocalEngine(model_dir, device=device, weight_version="step-0")
