@@ -1,10 +1,13 @@
 """Sync vs asynchronous RL on the embedded demo (P15): wall time, samples/s, idle time and held-out accuracy.
 
-Three modes train the same number of samples from the same warmed-up model (the demo's settings: 8 prompts x 8
+Four runs train the same number of samples from the same warmed-up model (the demo's settings: 8 prompts x 8
 samples, 16 tokens, GSPO, two updates per step):
 
-* ``sync``: `trainer.mode=sync`, the local engine in the trainer's process (the default);
-* ``async``: `trainer.mode=async`, `max_staleness=1`, the engine in its own process (`rollout.engine_process=auto`);
+* ``sync``: `trainer.mode=sync`, the local engine in the trainer's process (the default), on the example's one
+  trainer thread (`trainer.cpu_threads: 1`, the fastest for this tiny model), and as ``sync_2threads`` on torch's
+  default (one per core);
+* ``async``: `trainer.mode=async`, `max_staleness=1`, the engine in its own process (`rollout.engine_process=auto`)
+  on its own thread (`rollout.engine_threads: 1`), the trainer on one;
 * ``async_partial``: the same with `rollout.partial=true`.
 
 Each mode is a `megatron-rl train` run of its own; modes are interleaved `--repeats` times. The loop's time is the
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_moe_gspo.yaml"
 MODES = {
     "sync": ("trainer.mode=sync",),
+    "sync_2threads": ("trainer.mode=sync", "trainer.cpu_threads=0"),
     "async": ("trainer.mode=async", "trainer.max_staleness=1"),
     "async_partial": ("trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=true"),
 }
@@ -60,7 +64,7 @@ def _summary(rows: list[dict], mode: str) -> dict:
     steps = [r for r in rows if r["step"] > 0]
     loop_s = sum(r["time/step"] for r in steps)
     samples = sum(r["rollout/samples"] for r in steps)
-    if mode == "sync":
+    if mode.startswith("sync"):
         trainer_idle = [r["time/rollout"] for r in steps]
         engine_idle = [r["time/step"] - r["time/rollout"] for r in steps]
     else:

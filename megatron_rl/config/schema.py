@@ -326,6 +326,12 @@ class TrainerConfig:
         ge=0,
     )
     seed: int = setting(1234, help="seed of data order, sampling and dropout")
+    cpu_threads: int = setting(
+        0,
+        help="torch's intra-op threads of a trainer process on CPU; 0 = torch's default (one per core). Tiny models "
+        "step faster on one thread (the demo: 1.43x) than on two",
+        ge=0,
+    )
     mode: Literal["sync", "async"] = setting(
         "sync",
         help="sync = each step generates, then trains on what it generated; async = a rollout producer generates "

@@ -223,6 +223,8 @@ def _build_parts(
 ) -> tuple[StepParts, dict]:
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
+    if cfg.trainer.cpu_threads and platform.device().type == "cpu":
+        torch.set_num_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.trainer.seed)
     actor = MegatronActor.from_hf(
         model_dir,
