@@ -80,10 +80,17 @@ def warm_up(work: Path, threads: int) -> Path:
 def run_ours(model: Path, work: Path, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(dir=work, prefix="ours-"))
     overrides = [
-        f"trainer.output_dir={out}", f"model.hf_path={model}", "model.build_tiny_if_missing=false",
-        "warmup.sft_steps=0", f"trainer.steps={args.steps}", f"data.eval_every={args.steps}",
-        f"data.eval_prompts={args.eval_prompts}", "trainer.save_every=0", *COMMON,
-    ]  # fmt: skip
+        f"trainer.output_dir={out}",
+        f"model.hf_path={model}",
+        "model.build_tiny_if_missing=false",
+        "warmup.sft_steps=0",
+        f"trainer.steps={args.steps}",
+        f"data.eval_every={args.steps}",
+        f"data.eval_prompts={args.eval_prompts}",
+        "trainer.save_every=0",
+        f"trainer.cpu_threads={args.threads}",
+        *COMMON,
+    ]  # fmt: skip  (the example's own cpu_threads would otherwise override --threads)
     _, wall = run([sys.executable, "-m", "megatron_rl.cli", "train", str(CONFIG), *overrides], args.threads)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "time/step" in r]
