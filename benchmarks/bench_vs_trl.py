@@ -88,9 +88,9 @@ def run_ours(model: Path, work: Path, args: argparse.Namespace) -> dict:
         f"data.eval_every={args.steps}",
         f"data.eval_prompts={args.eval_prompts}",
         "trainer.save_every=0",
-        f"trainer.cpu_threads={args.threads}",
+        f"trainer.cpu_threads={args.threads}",  # the example's own would override --threads
         *COMMON,
-    ]  # fmt: skip  (the example's own cpu_threads would otherwise override --threads)
+    ]
     _, wall = run([sys.executable, "-m", "megatron_rl.cli", "train", str(CONFIG), *overrides], args.threads)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "time/step" in r]
