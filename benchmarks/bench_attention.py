@@ -3,7 +3,8 @@
 One process, two actors built from the same checkpoint (`model.options.local_attention` sdpa and unfused; the
 other options at their defaults, so packing is on), fp32. The batch has the demo's shape: `--batch` sequences
 (8 prompts x 8 samples) of the synthetic task, prompt + response of 8 to 22 tokens. Timed per pass, interleaved
-(sdpa, unfused, unfused, sdpa, ... `--repeats` rounds of `--passes` passes each), medians reported:
+(sdpa, unfused, unfused, sdpa, ... `--repeats` rounds of `--passes` passes each), medians and minima (the least
+disturbed round, on a shared machine) reported:
   score  `compute_log_probs(batch, with_entropy=True)` (the old-policy / reference pass)
   train  `warmup_step(batch, ..., lr=0)`: forward, backward and an optimizer step at learning rate 0 (the weights
          stay the same, so every pass computes the same thing)
@@ -11,8 +12,9 @@ Then a cProfile of `--profile-passes` scoring passes of each: the share of the t
 cumulative time of the core attention module's outermost `forward`: the packed wrapper when packing is on).
 
     python benchmarks/bench_attention.py [--repeats 5] [--passes 10] [--spec demo|bench] [--threads 1]
-Results: a table on stdout and JSON in benchmarks/results/attention_<spec>_packing-<on/off>_threads<n>_<date>.json
-(with the load averages).
+        [--packing on|off] [--response 16]
+Results: a table on stdout and JSON (with the load averages) in
+benchmarks/results/attention_<spec>_r<response>_packing-<on/off>_threads<n>_<date>.json.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ MODES: tuple[Literal["sdpa", "unfused"], ...] = ("sdpa", "unfused")
 CORE_FORWARDS = ("packed_attention.py", "sdpa_attention.py", "dot_product_attention.py")
 
 
-def demo_batch(batch: int, seed: int) -> Any:
-    """`batch` sequences of the demo's lengths: a 4-6 token prompt and a 4-16 token response."""
+def demo_batch(batch: int, seed: int, response: int = 16) -> Any:
+    """`batch` sequences of the demo's lengths: a 4-6 token prompt and a 4-`response` token response."""
     from megatron_rl.megatron_backend.batch import TokenBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 7, (batch,), generator=gen)
-    lengths = prompt + torch.randint(4, 17, (batch,), generator=gen)
+    lengths = prompt + torch.randint(4, response + 1, (batch,), generator=gen)
     ids = torch.randint(4, 100, (batch, int(lengths.max())), generator=gen)
     return TokenBatch(ids, lengths, prompt)
 
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--profile-passes", type=int, default=80)
     parser.add_argument("--spec", choices=("demo", "bench"), default="demo", help="the demo's or BENCH_SPEC's model")
     parser.add_argument("--packing", choices=("on", "off"), default="on")
+    parser.add_argument("--response", type=int, default=16, help="longest response (the demo's max_new_tokens)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -89,7 +92,7 @@ def main() -> None:
     from megatron_rl.tiny_model import BENCH_SPEC, TinyQwen3MoeSpec, make_tiny_qwen3_moe
 
     init_distributed(ParallelLayout(), seed=1)
-    batch = demo_batch(args.batch, args.seed)
+    batch = demo_batch(args.batch, args.seed, args.response)
     with tempfile.TemporaryDirectory() as tmp:
         spec = BENCH_SPEC if args.spec == "bench" else TinyQwen3MoeSpec()
         model = make_tiny_qwen3_moe(Path(tmp) / "model", spec)
@@ -122,6 +125,7 @@ def main() -> None:
                 times[name][mode].append((time.perf_counter() - start) / args.passes)
         loads.append(os.getloadavg()[0])
     med = {p: {m: statistics.median(t) for m, t in ts.items()} for p, ts in times.items()}
+    best = {p: {m: min(t) for m, t in ts.items()} for p, ts in times.items()}  # the least disturbed repeat
     shares = {}
     for mode in MODES:
         profile = cProfile.Profile()
@@ -134,21 +138,24 @@ def main() -> None:
     shutdown()
 
     tokens = int(batch.lengths.sum())
-    print(f"{args.spec} model, {args.batch} sequences, {tokens} tokens, packing {args.packing}, threads "
-          f"{args.threads}, load {min(loads):.2f}-{max(loads):.2f}; sdpa vs unfused max |log-prob diff| "
+    longest = int(batch.lengths.max())
+    print(f"{args.spec} model, {args.batch} sequences, {tokens} tokens (longest {longest}), packing {args.packing}, "
+          f"threads {args.threads}, load {min(loads):.2f}-{max(loads):.2f}; sdpa vs unfused max |log-prob diff| "
           f"{max_err:.1e}")  # fmt: skip
-    print(f"{'pass':<7}{'sdpa ms':>9}{'unfused ms':>12}{'unfused/sdpa':>14}")
+    print(f"{'pass':<7}{'':<8}{'sdpa ms':>9}{'unfused ms':>12}{'unfused/sdpa':>14}")
     for p in passes:
-        sdpa, unfused = med[p]["sdpa"], med[p]["unfused"]
-        print(f"{p:<7}{sdpa * 1e3:>9.2f}{unfused * 1e3:>12.2f}{unfused / sdpa:>13.2f}x")
+        for stat, values in (("median", med[p]), ("min", best[p])):
+            sdpa, unfused = values["sdpa"], values["unfused"]
+            print(f"{p:<7}{stat:<8}{sdpa * 1e3:>9.2f}{unfused * 1e3:>12.2f}{unfused / sdpa:>13.2f}x")
     for mode, s in shares.items():
         print(f"cProfile, {args.profile_passes} scoring passes, {mode}: core attention {s['core_attention_s']:.3f} s "
               f"of {s['compute_log_probs_s']:.3f} s ({s['share']:.0%})")  # fmt: skip
     stamp = datetime.date.today().strftime("%Y%m%d")
-    name = f"attention_{args.spec}_packing-{args.packing}_threads{args.threads}_{stamp}.json"
+    name = f"attention_{args.spec}_r{args.response}_packing-{args.packing}_threads{args.threads}_{stamp}.json"
     out = ROOT / "benchmarks" / "results" / name
     out.write_text(json.dumps({"args": vars(args), "tokens": tokens, "loads": loads, "max_logprob_diff": max_err,
-                               "medians_s": med, "speedup": {p: med[p]["unfused"] / med[p]["sdpa"] for p in med},
+                               "medians_s": med, "min_s": best,
+                               "speedup": {p: med[p]["unfused"] / med[p]["sdpa"] for p in med},
                                "profile": shares, "times_s": times}, indent=1) + "\n")  # fmt: skip
 
 
