@@ -18,13 +18,21 @@ CPU (flash attention for CPU) and flash / memory-efficient kernels on the GPU. W
   i // (heads / groups)), which is the parent's `repeat_interleave`;
 - a value head width other than the query's (MLA; 0.19.x's THD value padding): the output is heads x value width;
 - attention dropout while training, under the model-parallel RNG like the parent (the mask drawn differs: the
-  kernel draws its own).
+  kernel draws its own);
+- attention sinks (`softmax_type` "learnable" or "off-by-one", GPT-OSS; `SoftmaxOne`: one more logit per head
+  whose probability is dropped) as one more key per head, with a zero value, scored by the sink through the
+  additive mask; a row masked entirely then gives 0, as in the parent;
+- sliding windows (`window_size` on the layers `window_attn_skip_freq` marks): the parent's window mask, which
+  replaces any other.
 
-What SDPA cannot express here goes to the parent's forward unchanged: attention sinks (`softmax_type` "learnable"
-or "off-by-one", GPT-OSS), sliding windows (`window_size`), an attention bias, packed sequences (the parent
-refuses them; `packed_attention.packed_variant` wraps this class and calls it per length bucket), a non-boolean
-mask, and cross attention with a causal mask (the parent asserts). In half precision the parent rounds the scores
-to bf16/fp16 before its fp32 softmax; SDPA keeps them in fp32 inside the kernel (more accurate, not bitwise equal).
+What SDPA cannot express here goes to the parent's forward unchanged: an attention bias, packed sequences (the
+parent refuses them; `packed_attention.packed_variant` wraps this class and calls it per length bucket), a
+non-boolean mask, and cross attention with a causal mask (the parent asserts). In half precision the parent rounds
+the scores to bf16/fp16 before its fp32 softmax; SDPA keeps them in fp32 inside the kernel (more accurate, not
+bitwise equal). With sinks the mask needs a gradient while training (learnable sinks), which the fused CPU kernel
+does not take: SDPA would pick its reference (math) kernel in training and the fused one in scoring, and the two
+round differently (the first update's ppo_kl would not be exactly 0). So with sinks it is always the math kernel:
+one call from Python, without the parent's Python steps.
 Selected by `model.options.local_attention` (model_builder); Transformer Engine's attention is left as it is.
 """
 
@@ -36,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @functools.cache
@@ -55,15 +64,14 @@ def sdpa_variant(cls: type) -> type:
             attention_bias: Any = None,
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
-            softmax = self.scale_mask_softmax
-            causal = attention_mask is None and softmax.attn_mask_type == AttnMaskType.causal and query.shape[0] > 1
+            softmax, sinks, window = self.scale_mask_softmax, self.softmax_offset, self.scale_mask_softmax.window_size
+            sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
+            causal = attention_mask is None and softmax.attn_mask_type == AttnMaskType.causal and sq > 1
             if (
-                self.softmax_offset is not None
-                or softmax.window_size is not None
-                or attention_bias is not None
+                attention_bias is not None
                 or packed_seq_params is not None
                 or (attention_mask is not None and attention_mask.dtype != torch.bool)
-                or (causal and query.shape[0] != key.shape[0])
+                or (causal and window is None and sq != sk)
             ):
                 return super().forward(
                     query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
@@ -71,12 +79,31 @@ def sdpa_variant(cls: type) -> type:
             # [s, b, heads, dim] -> [b, heads, s, dim] (strided views: the CPU kernel reads them in place)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             allowed, covered = None, None
-            if attention_mask is not None:
-                covered = attention_mask.all(dim=-1, keepdim=True)  # rows the parent softmaxes uniformly
-                allowed = ~attention_mask | covered
+            if window is not None:  # the parent's sliding-window mask replaces any other
+                offset = torch.arange(sk, device=q.device) - torch.arange(sq, device=q.device).unsqueeze(1) - (sk - sq)
+                allowed, causal = (offset >= -window[0]) & (offset <= window[1]), False
+            elif attention_mask is not None:
+                allowed = ~attention_mask
+                if sinks is None:  # rows masked entirely: the parent softmaxes their -10000s uniformly
+                    covered = attention_mask.all(dim=-1, keepdim=True)
+                    allowed = allowed | covered
+            if sinks is not None:
+                # SoftmaxOne: one more logit per head, the sink, whose probability is dropped: a key scored by the
+                # sink through the additive mask, with a zero value. A row masked entirely gives 0, as in the parent.
+                if causal:
+                    allowed, causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), False
+                mask = torch.zeros(sq, sk, device=q.device) if allowed is None else allowed.float().log()  # 0/-inf
+                mask = mask.to(q.dtype).view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [b or 1, heads or 1, ...]
+                rows, heads = mask.shape[0], q.shape[1]
+                sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(rows, heads, sq, 1)
+                allowed = torch.cat([mask.expand(rows, heads, sq, sk), sink], dim=-1)  # [b or 1, heads, sq, sk + 1]
+                k, v = (torch.cat([t, t.new_zeros(b, t.shape[1], 1, t.shape[3])], dim=2) for t in (k, v))
             dropout = self.attention_dropout.p if self.training else 0.0
             fork = dropout > 0 and not self.config.sequence_parallel
-            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            with (
+                tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext(),
+                sdpa_kernel(SDPBackend.MATH) if sinks is not None else contextlib.nullcontext(),
+            ):
                 context = F.scaled_dot_product_attention(
                     q,
                     k,
@@ -91,7 +118,6 @@ def sdpa_variant(cls: type) -> type:
                 groups = q.shape[1] // v.shape[1]
                 mean = v.mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1)  # [b, heads, 1, value dim]
                 context = torch.where(covered, mean, context)
-            sq, b = query.shape[:2]
             return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     SDPACoreAttention.__name__ = SDPACoreAttention.__qualname__ = f"SDPA{cls.__name__}"

@@ -1,7 +1,7 @@
 """The local spec's SDPA core attention equals Megatron's unfused `DotProductAttention` (fp32, forward and
 gradients): causal, grouped-query, an explicit mask with a fully masked row, a decode step, query-key layer
-scaling, MLA's value width, packed (THD) rows, the sink/window fallback, dropout only while training; and a tiny
-Qwen3-MoE's log-probs and entropies (padded and packed)."""
+scaling, MLA's value width, packed (THD) rows, attention sinks and sliding windows, dropout only while training;
+and a tiny Qwen3-MoE's log-probs and entropies (padded and packed)."""
 
 from __future__ import annotations
 
@@ -117,15 +117,33 @@ def test_packed_rows(megatron_world, heads: int, groups: int) -> None:
     torch.testing.assert_close(out[: packing.used], full[: packing.used], rtol=0, atol=0)
 
 
-def test_sinks_and_sliding_windows_fall_back_to_the_parent(megatron_world) -> None:
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one", "vanilla"])
+def test_sinks_and_sliding_windows(megatron_world, softmax_type: str) -> None:
+    """GPT-OSS's attention: a sink logit per head (SoftmaxOne) and a window on every other layer."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    config = _config(4, 2, softmax_type="learnable", window_size=(3, 0), window_attn_skip_freq=2)
-    for layer in (1, 2):  # windowed and full layers, both with sinks
+    config = _config(4, 2, softmax_type=softmax_type, window_size=(3, 0), window_attn_skip_freq=2)
+    pad = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
+    pad[1, :, :, 7:] = True
+    pad[1, :, 4, :] = True  # with a sink the row's weight all goes to the sink: 0
+    for layer in (1, 2):  # windowed and full layers
         unfused, sdpa = _pair(DotProductAttention, config, layer=layer)
-        torch.nn.init.normal_(unfused.softmax_offset)
-        sdpa.load_state_dict(unfused.state_dict())
-        _assert_same(unfused, sdpa, _qkv(12, 2, 4, 2))
+        if softmax_type == "learnable":
+            torch.nn.init.normal_(unfused.softmax_offset)
+            sdpa.load_state_dict(unfused.state_dict())
+        elif softmax_type == "off-by-one":  # Megatron makes these zeros on `torch.cuda.current_device()`
+            unfused.softmax_offset = sdpa.softmax_offset = torch.zeros(4)
+        for mask in (None, pad):
+            _assert_same(unfused, sdpa, _qkv(12, 2, 4, 2), mask)
+        if softmax_type == "learnable":  # the sinks' gradients
+            grads = []
+            for m in (unfused, sdpa):
+                out = m(*_qkv(12, 2, 4, 2), None)
+                (grad,) = torch.autograd.grad(
+                    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), m.softmax_offset
+                )
+                grads.append(grad)
+            torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
 
 
 def test_tiny_qwen3_moe_log_probs_sdpa_vs_unfused(megatron_world, tiny_moe_dir: Path) -> None:
@@ -163,3 +181,20 @@ def test_attention_dropout_only_while_training(megatron_world) -> None:
     sdpa.train()
     dropped = sdpa(*qkv, None)
     assert not torch.allclose(dropped, sdpa.eval()(*qkv, None))  # some probabilities dropped (and the rest scaled)
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_scoring_and_training_forward_are_bitwise_equal(megatron_world, softmax_type: str) -> None:
+    """The first update's ppo_kl is exactly 0 only if the no-grad (scoring) and grad (training) forwards agree
+    bitwise: SDPA must not pick a different kernel when the inputs or the sinks need gradients."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = _config(4, 2, softmax_type=softmax_type, window_size=(3, 0), window_attn_skip_freq=2)
+    for layer in (1, 2):
+        sdpa = sdpa_variant(DotProductAttention)(config, layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                                                 attention_type="self")  # fmt: skip
+        qkv = _qkv(12, 2, 4, 2)
+        with torch.no_grad():
+            scored = sdpa(*qkv, None)
+        assert torch.equal(sdpa(*qkv, None), scored)
