@@ -16,12 +16,16 @@ CPU (flash attention for CPU) and flash / memory-efficient kernels on the GPU. W
   would give zeros. Unmasked keys of other rows get exp(-10000 - max) = 0 in the parent, exactly SDPA's -inf;
 - grouped-query attention: `enable_gqa` repeats each key/value head over its query heads (head i reads group
   i // (heads / groups)), which is the parent's `repeat_interleave`;
-- a value head width other than the query's (MLA; 0.19.x's THD value padding): the output is heads x value width;
+- a value head width other than the query's (MLA; 0.19.x's THD value padding): the output is heads x value width
+  (narrower values are zero-padded to the query width for the kernel, CPU flash attention wanting equal widths,
+  and the padding cut from the output);
 - attention dropout while training, under the model-parallel RNG like the parent (the mask drawn differs: the
   kernel draws its own);
 - attention sinks (`softmax_type` "learnable" or "off-by-one", GPT-OSS; `SoftmaxOne`: one more logit per head
-  whose probability is dropped) as one more key per head, with a zero value, scored by the sink through the
-  additive mask; a row masked entirely then gives 0, as in the parent;
+  whose probability is dropped) as one more key with a zero value that only one more query feature, sink / scale,
+  reaches, so its score is the sink (to rounding) and the mask stays boolean: the fused kernel runs in scoring and in
+  training alike (a mask needing the sinks' gradient would send training to SDPA's math kernel, which rounds
+  differently, and the first update's ppo_kl would not be exactly 0). A row masked entirely gives 0, as in the parent;
 - sliding windows (`window_size` on the layers `window_attn_skip_freq` marks): the parent's window mask, which
   replaces any other.
 
@@ -29,10 +33,7 @@ What SDPA cannot express here goes to the parent's forward unchanged: an attenti
 parent refuses them; `packed_attention.packed_variant` wraps this class and calls it per length bucket), a
 non-boolean mask, and cross attention with a causal mask (the parent asserts). In half precision the parent rounds
 the scores to bf16/fp16 before its fp32 softmax; SDPA keeps them in fp32 inside the kernel (more accurate, not
-bitwise equal). With sinks the mask needs a gradient while training (learnable sinks), which the fused CPU kernel
-does not take: SDPA would pick its reference (math) kernel in training and the fused one in scoring, and the two
-round differently (the first update's ppo_kl would not be exactly 0). So with sinks it is always the math kernel:
-one call from Python, without the parent's Python steps.
+bitwise equal).
 Selected by `model.options.local_attention` (model_builder); Transformer Engine's attention is left as it is.
 """
 
@@ -44,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @functools.cache
@@ -87,23 +87,29 @@ def sdpa_variant(cls: type) -> type:
                 if sinks is None:  # rows masked entirely: the parent softmaxes their -10000s uniformly
                     covered = attention_mask.all(dim=-1, keepdim=True)
                     allowed = allowed | covered
+            scale = self.softmax_scale * (softmax.scale or 1)
             if sinks is not None:
-                # SoftmaxOne: one more logit per head, the sink, whose probability is dropped: a key scored by the
-                # sink through the additive mask, with a zero value. A row masked entirely gives 0, as in the parent.
-                if causal:
-                    allowed, causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), False
-                mask = torch.zeros(sq, sk, device=q.device) if allowed is None else allowed.float().log()  # 0/-inf
-                mask = mask.to(q.dtype).view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [b or 1, heads or 1, ...]
-                rows, heads = mask.shape[0], q.shape[1]
-                sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(rows, heads, sq, 1)
-                allowed = torch.cat([mask.expand(rows, heads, sq, sk), sink], dim=-1)  # [b or 1, heads, sq, sk + 1]
-                k, v = (torch.cat([t, t.new_zeros(b, t.shape[1], 1, t.shape[3])], dim=2) for t in (k, v))
+                # SoftmaxOne: one more logit per head, the sink, whose probability is dropped. It is one more key
+                # with a zero value that only a further query feature, sink / scale, reaches: its score is the sink
+                # (to rounding), and the mask stays boolean, so the fused kernel runs in scoring and training alike.
+                heads, groups = q.shape[1], k.shape[1]
+                if allowed is None:
+                    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+                    allowed = allowed.tril() if causal else allowed
+                allowed = allowed.view((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # [b or 1, heads or 1, ...]
+                allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:3], 1)], dim=-1)
+                causal = False
+                q = torch.cat([q, (sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, sq, 1)], dim=-1)
+                sink_key = k.new_zeros(b, groups, 1, k.shape[3] + 1)
+                sink_key[..., -1] = 1
+                k = torch.cat([torch.cat([k, k.new_zeros(b, groups, sk, 1)], dim=-1), sink_key], dim=2)
+                v = torch.cat([v, v.new_zeros(b, groups, 1, v.shape[3])], dim=2)
+            width = v.shape[-1]
+            if width < q.shape[-1]:  # the CPU's fused kernel wants values as wide as queries: zero features, cut after
+                v = F.pad(v, (0, q.shape[-1] - width))
             dropout = self.attention_dropout.p if self.training else 0.0
             fork = dropout > 0 and not self.config.sequence_parallel
-            with (
-                tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext(),
-                sdpa_kernel(SDPBackend.MATH) if sinks is not None else contextlib.nullcontext(),
-            ):
+            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
                 context = F.scaled_dot_product_attention(
                     q,
                     k,
@@ -111,9 +117,9 @@ def sdpa_variant(cls: type) -> type:
                     attn_mask=allowed,
                     dropout_p=dropout,
                     is_causal=causal,
-                    scale=self.softmax_scale * (softmax.scale or 1),
+                    scale=scale,
                     enable_gqa=k.shape[1] != q.shape[1],
-                )  # [b, heads, sq, value dim]
+                )[..., :width]  # [b, heads, sq, value dim]
             if covered is not None:
                 groups = q.shape[1] // v.shape[1]
                 mean = v.mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1)  # [b, heads, 1, value dim]
