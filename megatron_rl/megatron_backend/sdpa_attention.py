@@ -122,7 +122,7 @@ def sdpa_variant(cls: type) -> type:
                 )[..., :width]  # [b, heads, sq, value dim]
             if covered is not None:
                 groups = q.shape[1] // v.shape[1]
-                mean = v.mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1)  # [b, heads, 1, value dim]
+                mean = v[..., :width].mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1)  # [b, heads, 1, width]
                 context = torch.where(covered, mean, context)
             return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 

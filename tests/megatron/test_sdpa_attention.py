@@ -90,6 +90,10 @@ def test_mla_value_width_and_thd_padded_value(megatron_world) -> None:
     mla_core = _local_mla_classes()[1]
     unfused, sdpa = _pair(mla_core, _config(4, 4), k_channels=8, v_channels=6, softmax_scale=0.29)
     _assert_same(unfused, sdpa, _qkv(10, 2, 4, 4, v_dim=6))
+    pad = torch.zeros(2, 1, 10, 10, dtype=torch.bool)
+    pad[1, :, :, 6:] = True
+    pad[1, :, 3, :] = True
+    _assert_same(unfused, sdpa, _qkv(10, 2, 4, 4, v_dim=6), pad)
     for m in (unfused, sdpa):  # 0.19.x's MLA widens the value to the query width for THD, then trims
         m.hidden_size_per_attention_head_v = 8
     _assert_same(unfused, sdpa, _qkv(10, 2, 4, 4, v_dim=8))
