@@ -89,7 +89,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of a results JSON written before")
     args = parser.parse_args()
+    if args.plot:
+        _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = _warmed_model(work)
@@ -127,13 +131,16 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    window = 5  # steps: the per-step reward of 64 samples is noisy
     for mode, med in result["modes"].items():
         rewards = med["rewards"]
         per_step = med["samples"] / len(rewards)
-        ax.plot([per_step * (i + 1) for i in range(len(rewards))], rewards,
+        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                  for i in range(len(rewards))]  # fmt: skip
+        ax.plot([per_step * (i + 1) for i in range(len(rewards))], smooth,
                 label=f"{mode} ({med['samples_per_s']:.0f} samples/s, acc {med['final_accuracy']:.2f})")  # fmt: skip
     ax.set_xlabel("samples trained")
-    ax.set_ylabel("rollout reward (mean)")
+    ax.set_ylabel(f"rollout reward ({window}-step mean)")
     ax.set_title("embedded demo: sync vs async (max_staleness=1)")
     ax.legend()
     fig.tight_layout()
