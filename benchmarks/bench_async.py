@@ -90,9 +90,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a results JSON written before")
+    parser.add_argument("--sglang", action="store_true", help="sync vs async against one real SGLang server (CPU)")
     args = parser.parse_args()
     if args.plot:
         _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    if args.sglang:
+        _sglang(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -122,6 +126,44 @@ def main() -> None:
     (args.out / f"async_{stamp}.json").write_text(json.dumps(result, indent=1))
     _plot(result, args.out / f"async_{stamp}.png")
     print(f"\nresults: {args.out / f'async_{stamp}.json'} (+ .png); load {result['load'][0]:.1f}")
+
+
+def _sglang(args: argparse.Namespace) -> None:
+    """Sync vs async with the rollouts on a real SGLang server (tests/sglang's CPU setup, fp32, the trainer's weights
+    broadcast to it after every step): the same medians, 2 modes."""
+    sys.path.insert(0, str(ROOT / "tests" / "sglang"))
+    from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env, sglang_python
+
+    from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+
+    python = sglang_python()
+    if python is None:
+        print("no SGLang venv (bash scripts/install_sglang_cpu.sh): nothing measured")
+        return
+    modes = {"sglang_sync": ("trainer.mode=sync",), "sglang_async": ("trainer.mode=async",)}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = _warmed_model(work)
+        args_ = list(CPU_SERVER_ARGS)
+        args_[args_.index("--dtype") + 1] = "float32"
+        log_dir = str(work / "logs")
+        config = SGLangLaunchConfig(model_path=str(model), python=python, extra_args=tuple(args_),
+                                    env=cpu_launch_env(), log_dir=log_dir, startup_timeout_s=240)  # fmt: skip
+        runs: dict[str, list[float]] = {mode: [] for mode in modes}
+        with SGLangServers.launch(config) as servers:
+            server = ("rollout.engine=sglang", f"rollout.sglang.urls=[{servers.urls[0]}]",
+                      f"rollout.sglang.api_key_file={servers.api_key_file}", "trainer.colocate=false",
+                      "rollout.weight_sync=distributed")  # fmt: skip
+            for repeat in range(args.repeats):
+                for mode, overrides in modes.items():
+                    rows = _train(work / f"{mode}_{repeat}", f"model.hf_path={model}", "warmup.sft_steps=0",
+                                  f"trainer.steps={args.steps}", f"data.eval_every={args.steps}", *server,
+                                  *overrides)  # fmt: skip
+                    runs[mode].append(_summary(rows, mode.removeprefix("sglang_"))["samples_per_s"])
+                    print(f"{mode} #{repeat}: {runs[mode][-1]:.0f} samples/s", flush=True)
+    sync, async_ = statistics.median(runs["sglang_sync"]), statistics.median(runs["sglang_async"])
+    print(f"SGLang server: sync {sync:.0f}, async {async_:.0f} samples/s: {async_ / sync:.2f}x "
+          f"(load {os.getloadavg()[0]:.1f})")  # fmt: skip
 
 
 def _plot(result: dict, path: Path) -> None:
