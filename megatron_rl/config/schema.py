@@ -288,7 +288,9 @@ class DataConfig:
         help="training prompts: a JSONL/Parquet file, or a built-in task: 'synthetic' (reverse digits, the demo) or "
         "'synthetic_tool' (multiplication with a calculator tool; rollout.env: tools)",
     )
-    eval: str | None = setting(None, help="evaluation prompts (JSONL or 'synthetic'); null = no evaluation")
+    eval: str | None = setting(
+        None, help="evaluation prompts (JSONL/Parquet, or a built-in task as in data.train); null = no evaluation"
+    )
     prompt_key: str = setting("prompt", help="JSONL field holding the prompt (text or chat messages)")
     answer_key: str = setting("answer", help="JSONL field holding the reference answer passed to the reward")
     apply_chat_template: bool = setting(True, help="wrap prompts with the tokenizer's chat template")
