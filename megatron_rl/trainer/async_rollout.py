@@ -181,6 +181,7 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._retry = False
         self._stopping = False
+        self._crash: BaseException | None = None  # what ended the producer thread unexpectedly
         self._engine_idle = 0.0  # seconds the producer waited for weights since the trainer last took a batch
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
@@ -192,7 +193,9 @@ class RolloutProducer:
         t = time.perf_counter()
         with self._cond:
             ready = len(self._queue)
-            self._cond.wait_for(lambda: step in self._queue or self._stopping)
+            self._cond.wait_for(lambda: step in self._queue or self._stopping or self._crash is not None)
+            if self._crash is not None:
+                raise RuntimeError(f"step {step}: the rollout producer failed: {self._crash!r}") from self._crash
             if self._stopping:
                 raise RuntimeError("the rollout producer stopped")
             batch = self._queue.pop(step)
@@ -220,7 +223,12 @@ class RolloutProducer:
         if on_schedule and not self.partial:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._next > min(version + self.k, self.last_step) or self._failed() or self._stopping
+                    lambda: (
+                        self._next > min(version + self.k, self.last_step)
+                        or self._failed()
+                        or self._stopping
+                        or self._crash is not None
+                    )
                 )
         with self.gate.exclusive(interrupt=self.partial):
             yield
@@ -248,6 +256,14 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------ the producer thread
     def _run(self) -> None:
+        try:
+            self._produce_all()
+        except BaseException as err:  # a bug or a broken reward/environment: the trainer raises it at its next take
+            with self._cond:
+                self._crash = err
+                self._cond.notify_all()
+
+    def _produce_all(self) -> None:
         while True:
             with self._cond:
                 t = time.perf_counter()

@@ -146,3 +146,28 @@ def test_a_produced_batch_round_trips_through_json_exactly() -> None:
     assert (t.tokens, t.response_log_probs, t.reward, t.metadata) == (s.tokens, s.response_log_probs, 0.75, {"a": [1]})
     assert t.routed_experts is not None and t.routed_experts.dtype == np.uint8
     np.testing.assert_array_equal(t.routed_experts, s.routed_experts)
+
+
+def test_a_producer_that_fails_unexpectedly_fails_the_trainers_next_take() -> None:
+    """Not a dead engine (that is recovered) but a bug in the rollout, e.g. an environment raising: the trainer
+    gets the error at its next take instead of waiting forever."""
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.async_rollout import RolloutProducer
+
+    class BrokenData:
+        def state_dict(self) -> dict:
+            return {}
+
+        def collect(self, engine, step):
+            raise ValueError("the environment broke")
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(max_staleness=1), rollout=SimpleNamespace(partial=False))
+    engine = SimpleNamespace(abort=lambda: None)
+    producer = RolloutProducer(cfg, engine, BrokenData(), next_step=1, last_step=3, version=0)
+    try:
+        with pytest.raises(RuntimeError, match="step 1: the rollout producer failed: ValueError") as caught:
+            producer.take(1)
+        assert isinstance(caught.value.__cause__, ValueError)
+    finally:
+        producer.shutdown()
