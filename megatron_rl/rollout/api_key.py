@@ -26,6 +26,8 @@ def create_api_key_file(path: str | Path) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(32)
+    while key.startswith("-"):  # one key in 64 would read as an option where a tool passes it as `--api-key KEY`
+        key = secrets.token_urlsafe(32)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the first byte, whatever the umask
     try:

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"API key file {key_file} is empty")
     _drop_script_dir()
     _redact_logs(key)
-    sys.argv = [module, *args, "--api-key", key]
+    sys.argv = [module, *args, f"--api-key={key}"]  # one token: a key starting with "-" is not taken for an option
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

@@ -31,7 +31,13 @@ import json, logging, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 args = sys.argv[1:]
-value = lambda flag: args[args.index(flag) + 1]
+
+
+def value(flag):  # argparse's two spellings: `--flag VALUE` and `--flag=VALUE`
+    joined = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    return joined[-1] if joined else args[args.index(flag) + 1]
+
+
 key = value("--api-key")
 logging.basicConfig(level=logging.INFO, force=True)
 logging.getLogger("fake_sglang").info("server_args=%s", {"api_key": key, "port": int(value("--port"))})
@@ -153,3 +159,10 @@ def test_weight_sync_store_listens_on_the_trainer_address_only() -> None:
             socket.create_connection((other, port), timeout=5).close()
     finally:
         dist.destroy_process_group(group)
+
+
+def test_generated_keys_never_look_like_options(tmp_path: Path) -> None:
+    """A key passed as `--api-key KEY` must not start with "-" (argparse would take it for an option); the launch
+    passes `--api-key=KEY` anyway."""
+    keys = [create_api_key_file(tmp_path / f"k{i}") for i in range(400)]  # ~6 would start with "-" unchecked
+    assert not any(k.startswith("-") for k in keys) and len(set(keys)) == 400
