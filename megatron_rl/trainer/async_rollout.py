@@ -101,9 +101,7 @@ class EngineGate:
         try:
             yield
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            self._release()
 
     @contextmanager
     def exclusive(self, *, interrupt: bool) -> Iterator[None]:
@@ -119,9 +117,12 @@ class EngineGate:
         try:
             yield
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
 
 
 class GatedEngine:
