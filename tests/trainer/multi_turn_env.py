@@ -19,6 +19,5 @@ class AckEnv:
     def step(self, text: str, token_ids: list[int]) -> StepResult:
         self.seen += 1
         done = self.seen >= self.turns
-        return StepResult(
-            "" if done else self.observation, reward=self.reward + self.reward_per_char * len(text), done=done, info={"acks": float(not done)}
-        )
+        reward = self.reward + self.reward_per_char * len(text)
+        return StepResult("" if done else self.observation, reward=reward, done=done, info={"acks": float(not done)})

@@ -59,8 +59,9 @@ def test_multi_turn_steps_are_on_policy_and_mask_observations(
 def test_multi_turn_trajectories_in_async_mode(warmed_demo: WarmedModel, tmp_path: Path) -> None:
     """The producer thread drives the environment against the engine process; every trajectory is one version
     behind after step 1, its observations stay masked, and R3 replays the routes the stale engine recorded."""
-    steps = [r for r in _train(tmp_path / "run", warmed_demo.warmed, "trainer.steps=3", "trainer.mode=async",
-                               "algo.routing_replay=R3", "rollout.env_options={turns: 3, reward_per_char: 0.05}") if r["step"] > 0]  # fmt: skip
+    run = ("trainer.steps=3", "trainer.mode=async", "algo.routing_replay=R3",
+           "rollout.env_options={turns: 3, reward_per_char: 0.05}")  # fmt: skip
+    steps = [r for r in _train(tmp_path / "run", warmed_demo.warmed, *run) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["actor/ppo_kl_first"] == 0.0  # against θ_old, the trainer's scoring of the stale samples
