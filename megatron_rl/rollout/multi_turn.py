@@ -120,7 +120,7 @@ class MultiTurnRollout:
         assert self.env_factory is not None
         try:
             return self.env_factory(**self.env_options)
-        except TypeError as err:
+        except (TypeError, ValueError) as err:
             raise ValueError(
                 f"rollout.env_options={self.env_options!r} do not fit environment {self.env_factory!r}: {err}"
             ) from err

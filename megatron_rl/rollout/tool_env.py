@@ -2,18 +2,20 @@
 are the observation; a turn without a call is the final answer and ends the episode.
 
 It gives no reward itself (score the final answer with a reward function) and counts, per trajectory,
-`tool_calls` and `tool_errors` (calls that could not be run, and tool answers starting with "error:").
+`tool_calls` and `tool_errors` (calls that could not be run, tool answers starting with "error:", and calls that
+ran past `timeout_s`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_rl.rollout.env import Observation, StepResult
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.tool_calls import ToolCall, get_tool_call_format
-from megatron_rl.rollout.tools import get_tool
+from megatron_rl.rollout.tools import Tool, get_tool
 
 
 class ToolEnv:
@@ -22,12 +24,18 @@ class ToolEnv:
         tools: Sequence[str] = ("calculator",),
         tool_call_format: str = "hermes",
         tool_options: Mapping[str, Mapping[str, Any]] | None = None,
+        timeout_s: float | None = 30.0,
     ):
-        """`tools`: registered names or dotted paths; `tool_options`: keyword options per tool, e.g.
-        ``{"python": {"timeout_s": 5}}``."""
+        """`tools`: registered names or dotted paths (the model calls each by its `name`); `tool_options`: keyword
+        options per tool, keyed as in `tools`, e.g. ``{"python": {"timeout_s": 5}}``; `timeout_s`: the longest any
+        one call may take before its answer is an error (None: no limit)."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"tools environment: timeout_s must be > 0 seconds or null (no limit), got {timeout_s}")
         options = tool_options or {}
-        self.tools = {name: get_tool(name, **options.get(name, {})) for name in tools}
+        built = [get_tool(name, **options.get(name, {})) for name in tools]
+        self.tools = {tool.name: tool for tool in built}
         self.format = get_tool_call_format(tool_call_format)
+        self.timeout_s = timeout_s
 
     def reset(self, prompt: Prompt) -> Observation:
         return prompt.token_ids
@@ -36,6 +44,35 @@ class ToolEnv:
         calls = self.format.parse(text, self.tools.keys())
         if not calls:
             return StepResult("", done=True)
-        results = [self.tools[c.name](c.arguments) if isinstance(c, ToolCall) else c.message for c in calls]
+        results = [
+            call_with_timeout(self.tools[c.name], c.arguments, self.timeout_s) if isinstance(c, ToolCall) else c.message
+            for c in calls
+        ]
         errors = sum(result.startswith("error:") for result in results)
         return StepResult(self.format.format_results(results), info={"tool_calls": len(calls), "tool_errors": errors})
+
+
+def call_with_timeout(tool: Tool, arguments: Mapping[str, Any], timeout_s: float | None) -> str:
+    """The tool's answer, or an error answer when the call takes longer than `timeout_s`. Python cannot stop a
+    thread: a call past its time finishes (or hangs) in a daemon thread and its answer is dropped. Tools that run
+    code bound themselves in the kernel (the `python` tool kills its process group at its own `timeout_s`). An
+    exception from the tool (a bug in it, not the model's input) is raised here."""
+    if timeout_s is None:
+        return tool(arguments)
+    outcome: list[tuple[bool, Any]] = []
+
+    def call() -> None:
+        try:
+            outcome.append((True, tool(arguments)))
+        except BaseException as err:  # re-raised on the rollout's thread
+            outcome.append((False, err))
+
+    worker = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        return f"error: {tool.name} did not answer within {timeout_s:g} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

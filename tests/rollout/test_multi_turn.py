@@ -3,6 +3,7 @@ sequence (local engine against teacher forcing of that sequence)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,40 @@ def test_tool_env_runs_calls_and_ends_on_an_answer():
         info={"tool_calls": 2, "tool_errors": 1},
     )
     assert env.step("84<|im_end|>", []) == StepResult("", done=True)
+
+
+class SleepTool:
+    """A user tool by dotted path that may take long (a web search, a slow service)."""
+
+    name = "sleep"
+    description = "sleeps for `seconds`"
+    parameters = {"type": "object", "properties": {"seconds": {"type": "number"}}}
+
+    def __call__(self, arguments):
+        if arguments["seconds"] < 0:
+            raise RuntimeError("a bug in the tool")
+        time.sleep(arguments["seconds"])
+        return "awake"
+
+
+def _sleep_call(seconds: float) -> str:
+    return f'<tool_call>{{"name": "sleep", "arguments": {{"seconds": {seconds}}}}}</tool_call>'
+
+
+def test_a_call_past_the_timeout_is_an_error_answer_and_the_others_run():
+    env = get_env("tools")(tools=["calculator", "tests.rollout.test_multi_turn:SleepTool"], timeout_s=0.3)
+    assert sorted(env.tools) == ["calculator", "sleep"]  # the model calls a dotted-path tool by its name
+    start = time.monotonic()
+    result = env.step(_sleep_call(20) + CALL, [])
+    assert time.monotonic() - start < 3.0
+    assert "<tool_response>\nerror: sleep did not answer within 0.3 s\n</tool_response>" in result.observation
+    assert "<tool_response>\n84\n</tool_response>" in result.observation
+    assert result.info == {"tool_calls": 2, "tool_errors": 1}
+    assert env.step(_sleep_call(0.01), []).info == {"tool_calls": 1, "tool_errors": 0}
+    with pytest.raises(RuntimeError, match="a bug in the tool"):  # the tool's own failure is not the model's
+        env.step(_sleep_call(-1), [])
+    unlimited = get_env("tools")(tools=["tests.rollout.test_multi_turn:SleepTool"], timeout_s=None)
+    assert "awake" in unlimited.step(_sleep_call(0.5), []).observation
 
 
 class ScriptedEngine:
@@ -210,5 +245,7 @@ def test_bad_environment_options_are_named_at_start_up(tokenizer):
 
     with pytest.raises(ValueError, match=r"rollout.env_options=\{'tool': \['calculator'\]\} do not fit environment"):
         MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"tool": ["calculator"]})
+    with pytest.raises(ValueError, match=r"do not fit environment .*timeout_s must be > 0 seconds or null"):
+        MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"timeout_s": 0})
     with pytest.raises(ValueError, match="exactly one of rollout.env and rollout.generate_fn"):
         MultiTurnRollout(tokenizer, TurnLimits())
