@@ -34,6 +34,9 @@ class ToolEnv:
         options = tool_options or {}
         built = [get_tool(name, **options.get(name, {})) for name in tools]
         self.tools = {tool.name: tool for tool in built}
+        if len(self.tools) < len(built):
+            names = [tool.name for tool in built]
+            raise ValueError(f"tools environment: two tools share a name in {list(tools)} (names {names})")
         self.format = get_tool_call_format(tool_call_format)
         self.timeout_s = timeout_s
 

@@ -247,5 +247,7 @@ def test_bad_environment_options_are_named_at_start_up(tokenizer):
         MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"tool": ["calculator"]})
     with pytest.raises(ValueError, match=r"do not fit environment .*timeout_s must be > 0 seconds or null"):
         MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"timeout_s": 0})
+    with pytest.raises(ValueError, match=r"two tools share a name in \['calculator', 'calculator'\]"):
+        MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"tools": ["calculator", "calculator"]})
     with pytest.raises(ValueError, match="exactly one of rollout.env and rollout.generate_fn"):
         MultiTurnRollout(tokenizer, TurnLimits())
