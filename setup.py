@@ -41,7 +41,8 @@ setup(
         # GPU-only; never installable on a CPU-only machine (needs a CUDA build of torch).
         "gpu": ["transformer-engine[pytorch]>=2.8", "triton>=3.3"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        "data": ["pyarrow>=15"],  # Parquet prompt datasets
+        "data": ["pyarrow>=15"],  # Parquet / Arrow / `datasets`-folder prompt datasets
+        "math": ["math-verify>=0.9"],  # the `math` reward (and `dapo`'s / `math_answer`'s equivalence checks)
         "bench": ["trl==1.16.0"],  # benchmarks/bench_vs_trl.py: the peer it is timed against
         # triton runs the kernels' tests under its CPU interpreter (TRITON_INTERPRET=1); 3.7.1 is the version
         # torch 2.13's CUDA build pins.
@@ -53,6 +54,7 @@ setup(
             "mypy==2.4.1",  # pyproject.toml [tool.mypy]: `python -m mypy` checks megatron_rl
             "triton==3.7.1; platform_machine == 'x86_64'",
             "pyarrow>=15",
+            "math-verify>=0.9",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

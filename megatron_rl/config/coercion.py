@@ -233,7 +233,9 @@ def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     for name, spec in field_specs(cls).items():
         key = join(prefix, name)
         if name in data:
-            kwargs[name] = build(spec.type, data[name], key) if is_section(spec.type) else data[name]
+            kwargs[name] = build(spec.type, data[name], key) if is_section(spec.type) else _sections_in(
+                spec.type, data[name], key
+            )
         elif spec.required and is_section(spec.type):
             kwargs[name] = build(spec.type, {}, key)  # reports the section's own required keys
         elif spec.required:
@@ -242,6 +244,17 @@ def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         return cls(**kwargs)
     except (ValueError, TypeError) as err:  # the reused dataclasses check themselves (e.g. LayoutError)
         raise ConfigError(f"{prefix or cls.__name__}: {err}") from None
+
+
+def _sections_in(tp: Any, value: Any, key: str) -> Any:
+    """`value` (as `coerce` returned it) with the sections of a list of sections built, e.g. `data.reward`'s
+    `str | tuple[RewardSpec, ...]`."""
+    for arm in _union_args(tp) or (tp,):
+        targs = typing.get_args(arm)
+        if typing.get_origin(arm) is tuple and len(targs) == 2 and targs[1] is Ellipsis and is_section(targs[0]):
+            if isinstance(value, tuple):
+                return tuple(build(targs[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    return value
 
 
 def _plain(value: Any) -> Any:

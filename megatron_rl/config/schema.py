@@ -280,37 +280,94 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class TrainSource:
+    """One training dataset of a mixture (`data.train: [{path, weight}, ...]`)."""
+
+    path: str = setting(
+        help="a JSONL / Parquet / .arrow file, a Hugging Face `datasets` folder (save_to_disk), or a built-in task"
+    )
+    weight: float = setting(1.0, help="share of the prompts drawn from this dataset (normalised over the list)", gt=0)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward of a weighted sum (`data.reward: [{name, weight, options}, ...]`)."""
+
+    name: str = setting(help="a built-in reward name (`megatron-rl rewards`) or an import path 'package.module:fn'")
+    weight: float = setting(1.0, help="its weight in the sample's reward (the sum over the list)")
+    options: dict[str, Any] = setting(
+        default_factory=dict, help="keyword options passed to the reward function on every call"
+    )
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompts, answers and the reward."""
 
-    train: str = setting(
+    train: str | tuple[TrainSource, ...] = setting(
         "synthetic",
-        help="training prompts: a JSONL/Parquet file, or a built-in task: 'synthetic' (reverse digits, the demo) or "
-        "'synthetic_tool' (multiplication with a calculator tool; rollout.env: tools)",
+        help="training prompts: a JSONL / Parquet / .arrow file or a `datasets` folder, a list of {path, weight} "
+        "(a mixture), or a built-in task: 'synthetic' (reverse digits, the demo) or 'synthetic_tool' "
+        "(multiplication with a calculator tool; rollout.env: tools)",
     )
     eval: str | None = setting(
-        None, help="evaluation prompts (JSONL/Parquet, or a built-in task as in data.train); null = no evaluation"
+        None, help="evaluation prompts (a file or folder as in data.train, or a built-in task); null = no evaluation"
     )
-    prompt_key: str = setting("prompt", help="JSONL field holding the prompt (text or chat messages)")
-    answer_key: str = setting("answer", help="JSONL field holding the reference answer passed to the reward")
+    prompt_key: str = setting(
+        "prompt",
+        help="column holding the prompt: text or chat messages [{role, content}]; dotted for nested columns "
+        "(docs/your_task.md lists verl's, slime's and TRL's layouts)",
+    )
+    answer_key: str = setting(
+        "answer",
+        help="column holding the reference answer passed to the reward as metadata['answer']; dotted for nested "
+        "columns, e.g. reward_model.ground_truth (verl)",
+    )
     apply_chat_template: bool = setting(True, help="wrap prompts with the tokenizer's chat template")
-    reward: str = setting(
+    reward: str | tuple[RewardSpec, ...] = setting(
         "exact_match",
-        help="reward function: a built-in name, or an import path 'package.module:function' "
-        "(or 'package.module.function')",
+        help="reward function: a built-in name (`megatron-rl rewards` lists them), an import path "
+        "'package.module:function', or a list of {name, weight, options} summed with their weights (each logged "
+        "as reward/<name>)",
     )
     reward_timeout_s: float = setting(10.0, help="seconds one reward call may take before it scores 0", gt=0)
+    reward_failure_limit: float = setting(
+        0.1,
+        help="stop the run when more than this share of a step's (or an evaluation's) reward calls raise, time out "
+        "or return a non-number; the error names the function, the first error and its sample",
+        ge=0,
+        le=1,
+    )
     eval_every: int = setting(0, help="evaluate every N steps and after the last one; 0 = never", ge=0)
     eval_prompts: int = setting(64, help="prompts per evaluation", ge=1)
+
+    def train_sources(self) -> tuple[TrainSource, ...]:
+        """`train` as a list of {path, weight} (one dataset: weight 1)."""
+        return (TrainSource(self.train),) if isinstance(self.train, str) else self.train
+
+    def reward_specs(self) -> tuple[RewardSpec, ...]:
+        """`reward` as a list of {name, weight, options} (one name: weight 1, no options)."""
+        return (RewardSpec(self.reward),) if isinstance(self.reward, str) else self.reward
 
 
 @dataclass(frozen=True)
 class WarmupConfig:
-    """Optional supervised warm-up on the training data's answers before RL (the tiny demo needs it)."""
+    """Optional supervised warm-up (SFT) before RL, on a built-in task or the user's data; `megatron-rl sft` runs
+    it alone."""
 
     sft_steps: int = setting(0, help="supervised steps before RL; 0 = no warm-up", ge=0)
     sft_lr: float = setting(1e-4, help="learning rate of the warm-up", gt=0)
     sft_batch_size: int = setting(16, help="prompt-answer pairs per warm-up step", ge=1)
+    data: str | None = setting(
+        None,
+        help="SFT data (a file or folder as in data.train, or a built-in task); null = data.train. A row is a "
+        "prompt (warmup.prompt_key) with a response (warmup.response_key), or chat messages ending in an "
+        "assistant turn (every assistant turn trains)",
+    )
+    prompt_key: str | None = setting(None, help="column of the SFT prompt or chat messages; null = data.prompt_key")
+    response_key: str = setting(
+        "response", help="column of the SFT target response (unused for rows of chat messages); dotted for nested"
+    )
 
 
 @dataclass(frozen=True)
@@ -401,6 +458,12 @@ class LoggingConfig:
     tensorboard: bool = setting(False, help="also write TensorBoard event files to output_dir/tensorboard")
     log_every: int = setting(1, help="print and log metrics every N steps", ge=1)
     plot: bool = setting(True, help="write PNG plots of the main metrics to output_dir at the end")
+    samples_every: int = setting(
+        1, help="write logging.samples_per_step rollout samples to output_dir/samples.jsonl every N steps; 0 = never",
+        ge=0,
+    )
+    samples_per_step: int = setting(8, help="rows per step in samples.jsonl (and the wandb samples table)", ge=1)
+    show_samples: int = setting(0, help="print this many of the step's samples (prompt, response, reward)", ge=0)
 
     def resolved_wandb_mode(self, environ: Mapping[str, str] | None = None) -> Literal["online", "offline", "disabled"]:
         """The mode to pass to ``wandb.init``: ``auto`` resolved against WANDB_API_KEY, ``disabled`` if off."""
@@ -417,6 +480,12 @@ class RLConfig:
     """Everything a `megatron-rl train` run reads; saved resolved as output_dir/config.yaml."""
 
     model: ModelConfig = setting(help="the policy model")
+    plugins: tuple[str, ...] = setting(
+        (),
+        help="Python modules imported at start-up, before the config is validated, so the rewards, environments "
+        "and tools they register can be named (modules next to the config file and in the working directory are "
+        "found without PYTHONPATH)",
+    )
     parallel: ParallelLayout = setting(
         default_factory=ParallelLayout, help="Megatron parallel layout of the actor (and reference) model"
     )

@@ -75,11 +75,13 @@ def check_input_paths(cfg: RLConfig) -> None:
         )
     from megatron_rl.rollout.data import SYNTHETIC_TASKS
 
-    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-        if value is not None and value not in SYNTHETIC_TASKS and not Path(value).is_file():
+    inputs = [("data.train", s.path) for s in cfg.data.train_sources()] + [("data.eval", cfg.data.eval)]
+    inputs.append(("warmup.data", cfg.warmup.data))
+    for key, value in inputs:
+        if value is not None and value not in SYNTHETIC_TASKS and not Path(value).exists():
             errors.append(
-                f"{key}={value!r}: no such file; give a JSONL or Parquet prompt file, or a built-in task "
-                f"({', '.join(repr(t) for t in SYNTHETIC_TASKS)})"
+                f"{key}={value!r}: no such file or folder; give a JSONL / Parquet / .arrow file or a `datasets` "
+                f"folder, or a built-in task ({', '.join(repr(t) for t in SYNTHETIC_TASKS)})"
             )
     if len(errors) == 1:
         raise ConfigError(errors[0])
@@ -261,10 +263,11 @@ def _check_data(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(f"data.eval_every={data.eval_every} but data.eval is null: set data.eval (a JSONL or synthetic)")
     if data.eval is not None and data.eval_every == 0:
         errors.append(f"data.eval={data.eval!r} is never used with data.eval_every=0; set data.eval_every > 0")
-    if not _REWARD.match(data.reward):
-        errors.append(
-            f"data.reward={data.reward!r} is neither a reward name nor an import path 'package.module:function'"
-        )
+    for spec in data.reward_specs():
+        if not _REWARD.match(spec.name):
+            errors.append(
+                f"data.reward={spec.name!r} is neither a reward name nor an import path 'package.module:function'"
+            )
 
 
 def _check_trainer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
