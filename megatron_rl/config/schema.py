@@ -10,6 +10,7 @@
       warmup     WarmupConfig
       trainer    TrainerConfig
       logging    LoggingConfig
+      plugins    modules imported at start-up (rewards, environments, tools they register)
 
 Field metadata: ``help`` (every field), optional bounds ``ge`` / ``gt`` / ``le`` checked when a value is
 read, and ``registry`` (a ``megatron_rl.algorithms`` registry whose names are the valid values).
@@ -480,12 +481,6 @@ class RLConfig:
     """Everything a `megatron-rl train` run reads; saved resolved as output_dir/config.yaml."""
 
     model: ModelConfig = setting(help="the policy model")
-    plugins: tuple[str, ...] = setting(
-        (),
-        help="Python modules imported at start-up, before the config is validated, so the rewards, environments "
-        "and tools they register can be named (modules next to the config file and in the working directory are "
-        "found without PYTHONPATH)",
-    )
     parallel: ParallelLayout = setting(
         default_factory=ParallelLayout, help="Megatron parallel layout of the actor (and reference) model"
     )
@@ -496,3 +491,9 @@ class RLConfig:
     warmup: WarmupConfig = setting(default_factory=WarmupConfig, help="optional supervised warm-up")
     trainer: TrainerConfig = setting(default_factory=TrainerConfig, help="training loop and checkpoints")
     logging: LoggingConfig = setting(default_factory=LoggingConfig, help="metrics and plots")
+    plugins: tuple[str, ...] = setting(
+        (),
+        help="Python modules imported at start-up, before the config is validated, so the rewards, environments "
+        "and tools they register can be named (modules next to the config file and in the working directory are "
+        "found without PYTHONPATH)",
+    )

@@ -81,7 +81,7 @@ def test_unknown_key_in_reused_dataclass_section(tmp_path: Path):
         ("algo.overlong_filter=yes", "algo.overlong_filter='yes': expected bool (true/false), got str"),
         ("algo.overlong_filter=1", "algo.overlong_filter=1: expected bool (true/false), got int"),
         ("algo.clip_c=big", "algo.clip_c='big': expected number or null, got str"),
-        ("data.train=[a, b]", "data.train=['a', 'b']: expected string, got list"),
+        ("data.train=[a, b]", "data.train=['a', 'b']: expected string or list of mapping (TrainSource), got list"),
         ("rollout.sampling.stop_token_ids=[1, x]", "rollout.sampling.stop_token_ids[1]='x': expected integer"),
         ("rollout.sampling=3", "'rollout.sampling' is a section; expected a mapping"),
         ("model.hf_path=null", "model.hf_path=None: expected string"),

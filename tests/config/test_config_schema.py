@@ -32,7 +32,7 @@ def test_every_field_has_help(key: str):
 
 def test_tree_has_the_sections_and_reuses_the_backend_dataclasses():
     top = field_specs(RLConfig)
-    assert list(top) == ["model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging"]
+    assert list(top) == ["model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging", "plugins"]
     assert top["parallel"].type is ParallelLayout and top["optimizer"].type is OptimizerOptions
     assert field_specs(ModelConfig)["options"].type is ModelOptions
     assert dict(walk_fields(RLConfig))["rollout.sampling"].type is SamplingParams
@@ -55,7 +55,7 @@ def test_every_leaf_type_is_supported():
             return all(supported(a) for a in typing.get_args(tp) if a is not Ellipsis)
         if origin is dict:  # a plug-in's keyword options (rollout.env_options)
             return typing.get_args(tp)[0] is str
-        return False
+        return is_section(tp)  # a list of sections (data.train, data.reward): each built as its dataclass
 
     for key, spec in walk_fields(RLConfig):
         assert is_section(spec.type) or supported(spec.type), (key, spec.type)
