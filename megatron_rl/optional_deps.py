@@ -13,6 +13,8 @@ OPTIONAL_MODULES: dict[str, tuple[str, str]] = {
     "flash_attn": ("gpu", "flash attention"),
     "sglang": ("sglang", "the SGLang rollout server"),
     "sglang_router": ("sglang", "the SGLang router in front of several servers"),
+    "pyarrow": ("data", "Parquet, Arrow and `datasets`-folder prompt files"),
+    "math_verify": ("math", "the math reward's answer checking (Hugging Face's math-verify)"),
 }
 
 
@@ -33,7 +35,7 @@ def require(module: str) -> ModuleType:
         extra, purpose = OPTIONAL_MODULES.get(top, (None, "this feature"))
         hint = f"pip install 'megatron-rl[{extra}]'" if extra else f"pip install {top}"
         raise MissingOptionalDependency(
-            f"'{module}' is required for {purpose} but could not be imported ({err}). Install it with: {hint}"
+            f"'{module}' is required for {purpose} but could not be imported ({err}); install it with: {hint}"
         ) from err
 
 

@@ -349,3 +349,171 @@ def test_truncated_rng_state_is_named(run_copy: Path, samples_file: Path, tmp_pa
         f"megatron-rl logprobs: error: checkpoint {damaged} is damaged: rng/rank_00000.pt is truncated/corrupt ("
     )
     assert line.endswith("); re-save it (no older complete checkpoint is next to it to resume from)")
+
+
+# ---------------------------------------------------------------------------------------------- input guards
+def _model_copy(tiny_moe_dir: Path, tmp_path: Path, **files: dict) -> Path:
+    """A copy of the tiny model whose JSON files named in `files` (config, generation_config, tokenizer_config)
+    are updated with the given keys."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_moe_dir, model)
+    for name, changes in files.items():
+        path = model / f"{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return model
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_tokenizer_guard_accepts_the_models_own_and_a_smaller_one(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """The tiny model's tokenizer: 128 tokens, eos 2 (<|im_end|>), pad 3, no bos, as config.json and
+    generation_config.json say; a padded vocabulary above the tokenizer's size is normal, and an eos list in
+    generation_config.json that holds the tokenizer's eos agrees."""
+    from megatron_rl.trainer.input_guards import check_tokenizer
+
+    model = _model_copy(tiny_moe_dir, tmp_path, generation_config={"eos_token_id": [2, 0]})
+    tokenizer = _tokenizer(model)
+    assert (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (128, 2, 3, None)
+    check_tokenizer(tokenizer, model, model, 128)
+    check_tokenizer(tokenizer, model, model, 160)  # as Qwen3: 151,669 tokens, 151,936 rows
+
+
+@pytest.mark.parametrize(
+    ("files", "vocab", "message"),
+    [
+        ({}, 100, "tokenizer at {m} has 128 tokens but the model's vocabulary has 100: the tokenizer does not match "
+         "the model (set model.tokenizer_path to the model's own tokenizer)"),
+        ({"tokenizer_config": {"eos_token": "<|endoftext|>"}}, 128, "tokenizer at {m} has eos_token_id=0 but "
+         "{m}/config.json says eos_token_id=2: the tokenizer does not match the model (set model.tokenizer_path to the "
+         "model's own tokenizer, or correct config.json)"),
+        ({"generation_config": {"eos_token_id": [5, 6]}}, 128, "tokenizer at {m} has eos_token_id=2 but "
+         "{m}/generation_config.json says eos_token_id=[5, 6]: the tokenizer does not match the model (set "
+         "model.tokenizer_path to the model's own tokenizer, or correct generation_config.json)"),
+        ({"config": {"pad_token_id": 0}}, 128, "tokenizer at {m} has pad_token_id=3 but {m}/config.json says "
+         "pad_token_id=0: the tokenizer does not match the model (set model.tokenizer_path to the model's own "
+         "tokenizer, or correct config.json)"),
+        ({"tokenizer_config": {"bos_token": "<|im_start|>"}, "config": {"bos_token_id": 0}}, 128, "tokenizer at {m} "
+         "has bos_token_id=1 but {m}/config.json says bos_token_id=0: the tokenizer does not match the model (set "
+         "model.tokenizer_path to the model's own tokenizer, or correct config.json)"),
+    ],
+    ids=["larger", "eos", "eos-list", "pad", "bos"],
+)  # fmt: skip
+def test_tokenizer_guard_refuses_another_models_tokenizer(
+    files: dict, vocab: int, message: str, tiny_moe_dir: Path, tmp_path: Path
+) -> None:
+    from megatron_rl.trainer.input_guards import InputMismatchError, check_tokenizer
+
+    model = _model_copy(tiny_moe_dir, tmp_path, **files)
+    with pytest.raises(InputMismatchError) as err:
+        check_tokenizer(_tokenizer(model), model, model, vocab)
+    assert str(err.value) == message.format(m=model)
+
+
+def test_max_positions_follows_yarn(tiny_moe_dir: Path) -> None:
+    """max_position_embeddings (256) unless rope_scaling is YaRN: then original_max_position_embeddings * factor."""
+    from megatron_rl.megatron_backend.models.architecture import max_positions
+
+    config = json.loads((tiny_moe_dir / "config.json").read_text())
+    assert max_positions(config) == 256
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    assert max_positions({**config, "rope_scaling": yarn}) == 512
+    assert max_positions({**config, "rope_scaling": {"type": "yarn", "factor": 2.0}}) == 512  # original = 256
+    assert max_positions({**config, "rope_scaling": {"type": "linear", "factor": 2.0}}) == 256
+    deepseek = json.loads((REPO / "examples" / "hf_configs" / "deepseek_v3.json").read_text())
+    assert max_positions(deepseek) == 4096 * 40
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.tokenizer_path={tok}",), "tokenizer at {tok} has eos_token_id=0 but {m}/config.json says "
+         "eos_token_id=2: the tokenizer does not match the model (set model.tokenizer_path to the model's own "
+         "tokenizer, or correct config.json)"),
+        (("rollout.sampling.max_new_tokens=300", "trainer.micro_batch_tokens=4096"), "rollout.sampling."
+         "max_new_tokens=300 is 300 tokens, more than the model's 256 positions: use a lower "
+         "rollout.sampling.max_new_tokens (at most 256)"),
+    ],
+    ids=["tokenizer", "positions"],
+)  # fmt: skip
+def test_guards_refuse_before_the_model_is_built(
+    overrides: tuple[str, ...], message: str, tiny_moe_dir: Path, tmp_path: Path
+) -> None:
+    """`megatron-rl train` ends in the guard's one line, exit 2, before the run header (printed once the model is
+    built)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in TOKENIZER_FILES:
+        shutil.copy(tiny_moe_dir / name, tok / name)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    proc = _train(tmp_path / "run", tiny_moe_dir, *(o.format(tok=tok) for o in overrides))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "megatron-rl train: error: " + message.format(tok=tok, m=tiny_moe_dir)
+    assert "megatron-rl train: gspo" not in proc.stdout
+
+
+def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """A JSONL prompt file whose longest prompt (line 2) plus max_new_tokens passes the model's 256 positions."""
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout.data import PromptData
+    from megatron_rl.trainer.input_guards import InputMismatchError, check_positions
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "1 2", "answer": "2 1"}, {"prompt": " ".join("7" * 200), "answer": "7"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(EXAMPLE, [f"model.hf_path={tiny_moe_dir}", f"data.train={prompts}", "data.eval=null",
+                                "data.eval_every=0", "data.reward=exact_match", "warmup.sft_steps=0",
+                                "rollout.sampling.max_new_tokens=64"])  # fmt: skip
+    tokenizer = _tokenizer(tiny_moe_dir)
+    data = PromptData(cfg, tokenizer)
+    length, where = data.longest_prompt()
+    assert length > 192 and "line 2" in where
+    with pytest.raises(InputMismatchError) as err:
+        check_positions(cfg, data, 256)
+    assert str(err.value) == (
+        f"the longest prompt ({length} tokens, {where}) plus rollout.sampling.max_new_tokens=64 is {length + 64} "
+        f"tokens, more than the model's 256 positions: use shorter prompts or a lower rollout.sampling."
+        f"max_new_tokens (at most {256 - length})"
+    )
+    check_positions(cfg, data, length + 64)  # exactly fits
+
+
+def test_multi_turn_positions_are_bounded_by_turns_max_tokens(tiny_moe_dir: Path) -> None:
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.input_guards import InputMismatchError, check_positions
+
+    tool_example = REPO / "examples" / "tiny_moe_tool_gspo.yaml"
+    cfg = load_config(tool_example, [f"model.hf_path={tiny_moe_dir}", "rollout.turns.max_tokens=300"])
+    with pytest.raises(InputMismatchError) as err:
+        check_positions(cfg, None, 256)
+    assert str(err.value) == (
+        "rollout.turns.max_tokens=300 (a whole trajectory, prompt included) exceeds the model's 256 positions: "
+        "lower rollout.turns.max_tokens to at most 256"
+    )
+    check_positions(load_config(tool_example, [f"model.hf_path={tiny_moe_dir}"]), None, 256)
+
+
+def test_missing_optional_dependency_names_the_extra() -> None:
+    """With pyarrow / math-verify / sglang not importable, `require` says which extra to install, in one line."""
+    check = (
+        "import sys\n"
+        "for m in ('pyarrow', 'math_verify', 'sglang'): sys.modules[m] = None\n"
+        "from megatron_rl.optional_deps import MissingOptionalDependency, require\n"
+        "for m in ('pyarrow.parquet', 'math_verify', 'sglang'):\n"
+        "    try:\n"
+        "        require(m)\n"
+        "    except MissingOptionalDependency as err:\n"
+        "        print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=REPO)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout + out.stderr
+    assert lines[0].startswith("'pyarrow.parquet' is required for Parquet, Arrow and `datasets`-folder prompt files")
+    assert lines[0].endswith("; install it with: pip install 'megatron-rl[data]'")
+    assert lines[1].endswith("; install it with: pip install 'megatron-rl[math]'")
+    assert lines[2].endswith("; install it with: pip install 'megatron-rl[sglang]'")

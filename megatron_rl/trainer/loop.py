@@ -30,7 +30,7 @@ from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
-from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
 from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
 from megatron_rl.rollout.data import PromptData
@@ -41,6 +41,7 @@ from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
+from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
@@ -54,7 +55,9 @@ from megatron_rl.trainer.rollout_phase import (
 from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.step_metrics import mismatch_metrics, multi_turn_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
-from megatron_rl.trainer.warmup import supervised_warmup
+from megatron_rl.trainer.warmup import WarmupRun, run_warmup
+
+WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
 
 
 @dataclass
@@ -170,7 +173,10 @@ def _run(
         )
         if plan.resume_from is not None and state.get("metrics_row") is not None:
             log.restore_row(state["step"], state["metrics_row"])
-    _prepare_policy(parts, state, model_dir, plan.output_dir / "warmup_model")
+    warmup = WarmupRun(plan.output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
+    if not _prepare_policy(parts, state, model_dir, plan.output_dir / WARMUP_MODEL, warmup):  # a signal mid-SFT
+        plots = log.close() if log is not None else []
+        return TrainResult(plan.output_dir, [], plots, stopped_by=warmup.stopped_by)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
     if state["step"] == 0 and evaluating:
         parts.memory.for_rollout()
@@ -223,18 +229,9 @@ def _build_parts(
 ) -> tuple[StepParts, dict]:
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
-    if cfg.trainer.cpu_threads and platform.device().type == "cpu":
-        torch.set_num_threads(cfg.trainer.cpu_threads)
-    torch.manual_seed(cfg.trainer.seed)
-    actor = MegatronActor.from_hf(
-        model_dir,
-        cfg.parallel,
-        model_options=cfg.model.options,
-        optimizer_options=cfg.optimizer,
-        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-        balance_quadratic=cfg.trainer.balance_quadratic,
-    )
-    data = PromptData(cfg, tokenizer)
+    data = PromptData(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
+    check_positions(cfg, data, max_positions(read_hf_config(model_dir)))
+    actor = build_actor(cfg, model_dir)
     engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:
         engines.append(engine)
@@ -249,13 +246,30 @@ def _build_parts(
     return StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source), state
 
 
-def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: Path) -> None:
-    """The supervised warm-up (once per run; its result is kept in HF format in `warmed_up`), the KL
-    reference (the policy RL starts from: the warmed-up model, else the initial one), and the first sync."""
+def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
+    """The trained model and its optimizer, from `model_dir` (seeded; `trainer.cpu_threads` on CPU)."""
+    if cfg.trainer.cpu_threads and platform.device().type == "cpu":
+        torch.set_num_threads(cfg.trainer.cpu_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    return MegatronActor.from_hf(
+        model_dir,
+        cfg.parallel,
+        model_options=cfg.model.options,
+        optimizer_options=cfg.optimizer,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        balance_quadratic=cfg.trainer.balance_quadratic,
+    )
+
+
+def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
+    """The supervised warm-up (once per run, continued from a mid-SFT checkpoint; its result is kept in HF format
+    in `warmed_up`), the KL reference (the policy RL starts from: the warmed-up model, else the initial one), and
+    the first sync. False when a signal stopped the warm-up (nothing else is done)."""
     cfg, actor = parts.cfg, parts.actor
     if not state["sft_done"] and cfg.warmup.sft_steps > 0:
         parts.memory.for_training()
-        supervised_warmup(cfg, actor, parts.data)
+        if not run_warmup(cfg, actor, parts.data, state, warmup):
+            return False
         actor.reset_optimizer_state()
         save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
         state["sft_done"] = True
@@ -264,6 +278,7 @@ def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: P
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
     sync_weights(actor, parts.engine, cfg, version=f"step-{state['step']}")
+    return True
 
 
 def _save(
@@ -461,13 +476,10 @@ def prepare_model_dir(cfg: RLConfig) -> Path:
 
 
 def load_tokenizer(cfg: RLConfig, model_vocab: int) -> Any:
+    """The run's tokenizer, refused unless it is the model's (`input_guards.check_tokenizer`)."""
     from transformers import AutoTokenizer
 
     path = cfg.model.tokenizer_path or cfg.model.hf_path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if len(tokenizer) > model_vocab:
-        raise ValueError(
-            f"tokenizer at {path} has {len(tokenizer)} tokens but the model's vocabulary has {model_vocab}: "
-            "the tokenizer does not match the model (set model.tokenizer_path to the model's own tokenizer)"
-        )
+    check_tokenizer(tokenizer, path, cfg.model.hf_path, model_vocab)
     return tokenizer

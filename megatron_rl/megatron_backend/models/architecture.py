@@ -1,4 +1,5 @@
-"""The model's architecture facts, asked of its registered family: `model_dims`, `is_moe`, `check_same_architecture`.
+"""The model's architecture facts, asked of its registered family: `model_dims`, `max_positions`, `is_moe`,
+`check_same_architecture`.
 
 Every consumer (launch planner, rollout engines, config validation, checkpoint loading) asks here instead of
 reading HF config keys itself. Importing this module registers the families; it does not import Megatron.
@@ -26,6 +27,17 @@ _NOT_ARCHITECTURE = frozenset({"max_position_embeddings"})
 def model_dims(hf_config: HFConfig) -> ModelDims:
     """The architecture of an HF config, by its family; `UnsupportedModelError` for a model no family builds."""
     return get_family(hf_config).dims(hf_config)
+
+
+def max_positions(hf_config: HFConfig) -> int:
+    """The longest sequence (prompt and generated tokens) the model is made for: `max_position_embeddings`, or under
+    YaRN `original_max_position_embeddings * factor`, as Hugging Face computes the extended context."""
+    dims = model_dims(hf_config)
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    if (rope.get("rope_type") or rope.get("type")) == "yarn" and rope.get("factor"):
+        original = rope.get("original_max_position_embeddings") or dims.max_position_embeddings
+        return int(int(original) * float(rope["factor"]))
+    return dims.max_position_embeddings
 
 
 def is_moe(hf_config: HFConfig) -> bool:
