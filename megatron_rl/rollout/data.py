@@ -12,11 +12,11 @@ class PromptData:
     """Training and evaluation prompts, the reward, and the resumable position in the prompt stream."""
 
     def __init__(self, cfg: RLConfig, tokenizer: Any):
-        from megatron_rl.rollout.rewards import get_reward
+        from megatron_rl.rollout.rewards import build_reward
 
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.reward_fn = get_reward(cfg.data.reward)
+        self.reward_fn = build_reward(cfg.data)  # a RewardSet: the weighted rewards, timeouts, failure limit
         self.task = None
         self.train_iter = None
         self.generate = _generate_batch(cfg, tokenizer)
@@ -35,6 +35,9 @@ class PromptData:
             )
             self.train_iter = PromptIterator(prompts, seed=cfg.trainer.seed)
             self.stream = self.train_iter
+        data_sources = getattr(self, "data_sources", None)  # `auto` refuses rows it cannot route, at start-up
+        if data_sources is not None:
+            self.reward_fn.check_data_sources(data_sources())
 
     def collect(self, engine: Any, step: int) -> Any:
         """One step's rollout batch; sampling is seeded per step so a resumed run draws the same samples."""
@@ -86,12 +89,10 @@ class PromptData:
         )[:n]
 
     def sft_pairs(self, n: int, *, start: int):
-        if self.task is None:
-            raise ValueError(
-                f"warmup.sft_steps needs a built-in synthetic task as data.train ({', '.join(SYNTHETIC_TASKS)}): "
-                "no SFT data for other datasets yet"
-            )
-        return self.task.sft_pairs(n, start=start)
+        """Examples `start` .. `start + n - 1` of the warm-up's stream (`warmup.data`, default `data.train`)."""
+        if getattr(self, "_sft", None) is None:
+            self._sft = open_sft_source(self.cfg, self.tokenizer, train_task=self.task)
+        return self._sft.sft_pairs(n, start=start)
 
     def state_dict(self) -> dict:
         return {
@@ -121,6 +122,33 @@ def _synthetic(data: PromptData, name: str | None = None):
 
     task_class = load_dotted(SYNTHETIC_TASKS[name or data.cfg.data.train], "synthetic task")
     return task_class(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)
+
+
+def open_sft_source(cfg: RLConfig, tokenizer: Any, *, train_task: Any = None) -> Any:
+    """The warm-up's examples (an object with `sft_pairs(n, start=)`): a built-in task's SFT split (`train_task`
+    when it is the training task), or the rows of `warmup.data` (default: `data.train`) as SFT examples."""
+    from megatron_rl.rollout.plugins import load_dotted
+    from megatron_rl.rollout.sft_data import SFTDataset
+
+    w = cfg.warmup
+    name = w.data
+    if name is None:
+        sources = cfg.data.train_sources()
+        if len(sources) > 1:
+            raise ValueError("data.train is a mixture of datasets: set warmup.data to the file the warm-up trains on")
+        name = sources[0].path
+    if name in SYNTHETIC_TASKS:
+        if train_task is not None and name == cfg.data.train:
+            return train_task
+        return load_dotted(SYNTHETIC_TASKS[name], "synthetic task")(seed=cfg.trainer.seed, tokenizer=tokenizer)
+    return SFTDataset.from_file(
+        name,
+        tokenizer,
+        prompt_key=w.prompt_key or cfg.data.prompt_key,
+        response_key=w.response_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        seed=cfg.trainer.seed,
+    )
 
 
 def _generate_batch(cfg: RLConfig, tokenizer: Any):

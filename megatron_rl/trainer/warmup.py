@@ -1,33 +1,200 @@
-"""The supervised warm-up stage before RL: `warmup.sft_steps` steps on prompt -> answer pairs."""
+"""The supervised warm-up (SFT): `warmup.sft_steps` steps on prompt -> response examples before RL, or alone
+(`megatron-rl sft`).
+
+The examples come from `PromptData.sft_pairs` (a built-in task's SFT split, or the user's rows through
+`rollout.sft_data`); example k of the stream depends on the seed and k only, so a warm-up resumed at step k
+continues with the examples it would have drawn. Each step's NLL goes to `sft_metrics.jsonl` (and `sft_nll.png`);
+every `trainer.save_every` steps, and at a stop with `trainer.save_on_interrupt`, a checkpoint of RL step 0 holds
+the model, the optimizer and `sft_step`, from which a resumed run continues the warm-up.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
+from megatron_rl.megatron_backend import checkpoint
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.trainer.stop_signals import StopSignals
+
+SFT_METRICS = "sft_metrics.jsonl"  # one row per warm-up step: sft_step, sft/nll, sft/tokens, time/sft_step
+SFT_PLOT = "sft_nll.png"
 
 
-def supervised_warmup(cfg: RLConfig, actor: MegatronActor, data: Any) -> None:
-    """`warmup.sft_steps` steps at `warmup.sft_lr` on the synthetic task's SFT split (multi-turn pairs train
-    their model turns only); the LR schedule of the RL stage does not move."""
+@dataclass
+class WarmupRun:
+    """Where a warm-up reports and checkpoints. `stop` (None: no signal handling) stops it at a step boundary."""
+
+    output_dir: Path
+    checkpoint_root: Path
+    run_id: str | None
+    stop: StopSignals | None = None
+    stopped_by: int | None = None  # set when a signal stopped the warm-up
+
+
+def supervised_warmup(
+    cfg: RLConfig,
+    actor: MegatronActor,
+    data: Any,
+    *,
+    first_step: int = 0,
+    after_step: Callable[[int, dict[str, float]], bool] | None = None,
+) -> int:
+    """Warm-up steps `first_step + 1` .. `warmup.sft_steps` at `warmup.sft_lr` (the RL stage's LR schedule does not
+    move). `after_step(k, metrics)` runs after step k on every rank; True stops the warm-up there. Returns the
+    last step done. Multi-turn examples train their model turns only (`loss_mask`)."""
     from tqdm import tqdm
 
     w = cfg.warmup
-    bar = tqdm(range(w.sft_steps), desc="supervised warm-up", disable=dist.get_rank() != 0)
+    bar = tqdm(
+        range(first_step, w.sft_steps),
+        desc="supervised warm-up",
+        initial=first_step,
+        total=w.sft_steps,
+        disable=dist.get_rank() != 0,
+    )
     for k in bar:
+        t = time.perf_counter()
         pairs = data.sft_pairs(w.sft_batch_size, start=k * w.sft_batch_size)
         metrics = actor.warmup_step(pairs_to_batch(pairs), sft_loss, lr=w.sft_lr)
+        metrics["time/sft_step"] = time.perf_counter() - t
+        metrics["sft/tokens"] = float(sum(sum(p.loss_mask or [1] * len(p.response_ids)) for p in pairs))
         bar.set_postfix(nll=f"{metrics['sft/nll']:.3f}")
+        if after_step is not None and after_step(k + 1, metrics):
+            bar.close()
+            return k + 1
+    return w.sft_steps
+
+
+def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: dict, where: WarmupRun) -> bool:
+    """Collective. The warm-up from `state["sft_step"]` (0 for a fresh run) with its metrics rows and mid-SFT
+    checkpoints (see the module docstring). False when a signal stopped it (checkpointed as asked)."""
+    rank0 = dist.get_rank() == 0
+    first = int(state.get("sft_step") or 0)
+    log = SFTLog(where.output_dir, first_step=first) if rank0 else None
+    every = cfg.trainer.save_every
+    last_saved = first if first else None
+    stop = where.stop
+    if stop is not None:
+        stop.armed = True  # a Ctrl-C / SIGTERM stops at the next warm-up step boundary
+
+    def save(k: int) -> None:
+        sft_state = {"step": 0, "sft_done": False, "sft_step": k, "data": data_state(data), "metrics_row": None}
+        what = f"checkpoint of SFT step {k}"
+        with stop.writing(what) if stop is not None else nullcontext():
+            checkpoint.save_checkpoint(
+                actor,
+                where.checkpoint_root,
+                0,
+                sft_state,
+                keep_last=cfg.trainer.keep_last or 10**9,
+                run_id=where.run_id,
+            )
+
+    def after_step(k: int, metrics: dict[str, float]) -> bool:
+        nonlocal last_saved
+        if log is not None:
+            log.log(k, metrics)
+        if every and k % every == 0 and k < cfg.warmup.sft_steps:
+            save(k)
+            last_saved = k
+        signum = stop.agreed() if stop is not None and k < cfg.warmup.sft_steps else None
+        if signum is None:
+            return False
+        save_now = cfg.trainer.save_on_interrupt and last_saved != k
+        if save_now:
+            save(k)
+            last_saved = k
+        where.stopped_by = signum
+        if rank0 and stop is not None:
+            kept = "none (a resume starts the warm-up over)" if last_saved is None else f"SFT step {last_saved}"
+            print(
+                f"interrupted at SFT step {k} of {cfg.warmup.sft_steps}; last checkpoint: {kept}; resume with: "
+                f"{stop.resume_command}",
+                flush=True,
+            )
+        return True
+
+    done = supervised_warmup(cfg, actor, data, first_step=first, after_step=after_step)
+    if log is not None:
+        log.close(plot=cfg.logging.plot)
+    return done == cfg.warmup.sft_steps and where.stopped_by is None
+
+
+def data_state(data: Any) -> Any:
+    """The prompt stream's position to keep in a mid-SFT checkpoint (None for a bare SFT source)."""
+    return data.state_dict() if hasattr(data, "state_dict") else None
+
+
+class SFTLog:
+    """`sft_metrics.jsonl` (rank 0): rows after `first_step` are cut (a resumed warm-up writes them again)."""
+
+    def __init__(self, output_dir: Path, *, first_step: int = 0):
+        self.path = output_dir / SFT_METRICS
+        self.rows = [r for r in read_sft_metrics(self.path) if r["sft_step"] <= first_step]
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self._file = self.path.open("a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"sft_step": step, **{k: float(v) for k, v in metrics.items() if k.startswith(("sft/", "time/"))}}
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self, *, plot: bool) -> Path | None:
+        self._file.close()
+        return plot_sft_nll(self.rows, self.path.parent / SFT_PLOT) if plot and self.rows else None
+
+
+def read_sft_metrics(path: Path) -> list[dict[str, float]]:
+    """The rows of an `sft_metrics.jsonl` (none if it does not exist); a torn last line is dropped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash: the resumed warm-up writes that step again
+        if isinstance(row, dict) and isinstance(row.get("sft_step"), int):
+            rows.append(row)
+    return rows
+
+
+def plot_sft_nll(rows: list[dict[str, float]], path: Path) -> Path:
+    """The warm-up's NLL per step as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot([r["sft_step"] for r in rows], [r["sft/nll"] for r in rows], label="sft/nll")
+    ax.set_xlabel("SFT step")
+    ax.set_ylabel("NLL per trained token")
+    ax.set_title("supervised warm-up")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def pairs_to_batch(pairs: list) -> TokenBatch:
     """Right-padded prompt + response rows; `fields["loss_mask"]` is 1 on the response tokens that train (all of
-    them, or where a multi-turn pair's `loss_mask` is 1: its observations are not trained)."""
+    them, or where a pair's `loss_mask` is 1: multi-turn observations and the user turns of a chat do not train)."""
     lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pairs]
     ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
     loss_mask = torch.zeros(len(pairs), max(lengths))
@@ -46,3 +213,84 @@ def sft_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBat
     count = mask.sum().to(torch.int)
     nll = -(log_probs * mask).sum()
     return nll, count, {"sft/nll": float(nll.detach() / count.clamp(min=1))}
+
+
+# ---------------------------------------------------------------------------------------------- SFT alone
+@dataclass
+class SFTResult:
+    output_dir: Path
+    model_dir: Path | None  # the SFT model in HF format (None: stopped before the last step)
+    rows: list[dict[str, float]]  # sft_metrics.jsonl, earlier starts' rows included
+    stopped_by: int | None = None  # the signal that stopped the warm-up at a step boundary
+
+
+def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
+    """`megatron-rl sft`: the warm-up of `train` without RL, in `trainer.output_dir` (resumable from its mid-SFT
+    checkpoints); the model goes to `<output_dir>/warmup_model` in HF format, for `model.hf_path` of an RL run."""
+    from megatron_rl.megatron_backend import platform
+    from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+    from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
+    from megatron_rl.megatron_backend.hf_weights import read_hf_config
+    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.rollout.data import open_sft_source
+    from megatron_rl.trainer import run_dir
+    from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, load_tokenizer, prepare_model_dir
+    from megatron_rl.trainer.rollout_phase import broadcast_object
+
+    if cfg.warmup.sft_steps < 1:
+        raise ValueError("megatron-rl sft needs warmup.sft_steps >= 1 (how many SFT steps), e.g. warmup.sft_steps=200")
+    output_dir = Path(cfg.trainer.output_dir)
+    run_dir.check_output_dir(output_dir)
+    platform.bridge_cpu()
+    checkpoint.start_checkpoint_writer()
+    command = resume_command or run_dir.resume_command(cfg, None).replace("megatron-rl train ", "megatron-rl sft ", 1)
+    with StopSignals(command) as stop:
+        model_dir = prepare_model_dir(cfg)
+        dims = model_dims(read_hf_config(model_dir))
+        init_distributed(
+            cfg.parallel,
+            seed=cfg.trainer.seed,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts,
+            num_attention_heads=dims.num_attention_heads,
+            num_query_groups=dims.num_query_groups,
+        )
+        rank0 = stop.announce = dist.get_rank() == 0
+        try:
+            plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
+            if isinstance(plan, Exception):
+                raise plan
+            if rank0:
+                run_dir.start_run(plan)
+            dist.barrier()
+            tokenizer = load_tokenizer(cfg, dims.vocab_size)
+            source = open_sft_source(cfg, tokenizer)
+            actor = build_actor(cfg, model_dir)
+            state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
+            if plan.resume_from is not None:
+                state = checkpoint.load_checkpoint(actor, plan.resume_from)
+                if state.get("sft_done"):
+                    raise ValueError(
+                        f"{output_dir} holds an RL run past its warm-up (checkpoint {plan.resume_from.name}): "
+                        "megatron-rl sft needs a folder of its own; set trainer.output_dir to another folder"
+                    )
+            where = WarmupRun(output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
+            done = run_warmup(cfg, actor, source, state, where)
+            model_out = None
+            if done:
+                model_out = save_hf_checkpoint(
+                    actor, output_dir / WARMUP_MODEL, model_dir, bucket_mb=cfg.rollout.bucket_mb
+                )
+            rows = read_sft_metrics(output_dir / SFT_METRICS) if rank0 else []
+            return SFTResult(output_dir, model_out, rows, stopped_by=where.stopped_by)
+        finally:
+            shutdown()
+
+
+def _plan_or_error(cfg: RLConfig) -> Any:
+    from megatron_rl.trainer import run_dir
+
+    try:
+        return run_dir.plan_run(cfg)
+    except ValueError as err:  # reported by every rank alike
+        return err
