@@ -111,7 +111,7 @@ def chat_example(messages: list[dict[str, Any]], where: str, tokenizer: Any) -> 
 def _prefix_of(full: str, rendered: str, where: str, turns: int) -> str:
     if not full.startswith(rendered):
         raise SFTDataError(
-            f"{where}: the chat template does not render the first {turns} messages as a prefix of the whole "
+            f"{where}: the chat template does not render the first {turns} message(s) as a prefix of the whole "
             "conversation (it rewrites earlier turns), so the assistant tokens cannot be found; use a template "
             "that keeps earlier turns as they are, or one assistant turn per row as prompt + response"
         )
