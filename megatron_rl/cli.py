@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_rl.commands.convert", "convert checkpoints: Hugging Face <-> Megatron distributed"),
     "doctor": ("megatron_rl.commands.doctor", "print what is installed and usable here"),
     "models": ("megatron_rl.commands.models", "list the supported model families and what each supports"),
+    "rewards": ("megatron_rl.commands.rewards", "list the built-in rewards and the reward signatures accepted"),
 }
 
 

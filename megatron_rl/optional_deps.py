@@ -14,7 +14,7 @@ OPTIONAL_MODULES: dict[str, tuple[str, str]] = {
     "sglang": ("sglang", "the SGLang rollout server"),
     "sglang_router": ("sglang", "the SGLang router in front of several servers"),
     "pyarrow": ("data", "Parquet, Arrow and `datasets`-folder prompt files"),
-    "math_verify": ("math", "the math reward's answer checking (Hugging Face's math-verify)"),
+    "math_verify": ("math", "the math, dapo and auto rewards (Hugging Face's math-verify checker)"),
 }
 
 

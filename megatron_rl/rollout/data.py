@@ -36,7 +36,7 @@ class PromptData:
             self.train_iter = PromptIterator(prompts, seed=cfg.trainer.seed)
             self.stream = self.train_iter
         data_sources = getattr(self, "data_sources", None)  # `auto` refuses rows it cannot route, at start-up
-        if data_sources is not None:
+        if data_sources is not None and self.reward_fn.routes_by_data_source:
             self.reward_fn.check_data_sources(data_sources())
 
     def collect(self, engine: Any, step: int) -> Any:

@@ -30,6 +30,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)  # prompt text, reference answer, ...
     exclude_from_loss: bool = False  # train on nothing of this sample (DAPO overlong filtering of truncated ones)
     loss_mask: list[int] | None = None  # per response token, 1 = trained (None: all); 0 on multi-turn observations
+    reward_parts: dict[str, float] = field(default_factory=dict)  # each named reward's unweighted value
 
     @property
     def tokens(self) -> list[int]:

@@ -454,8 +454,9 @@ def evaluate(cfg: RLConfig, engine: RolloutEngine | None, data: PromptData, toke
         return {"eval/skipped": 1.0}
     for s, p in zip(samples, prompts, strict=True):
         s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
-    compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)
+    stats = compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)  # failure limit
     metrics = {"eval/accuracy": sum(s.reward is not None and s.reward > 0.5 for s in samples) / len(samples)}
+    metrics.update({f"eval/{k}": v for k, v in stats.metrics().items() if k != "reward/failure_limit"})
     if any("turns" in s.metadata for s in samples):  # the greedy trajectories' tool use
         metrics.update({f"eval/{k.split('/', 1)[1]}": v for k, v in multi_turn_metrics(samples).items()})
     return metrics

@@ -22,6 +22,7 @@ def rollout_metrics(rollout: Any) -> dict[str, float]:
         "rollout/batch_filled": float(rollout.filled),
         "rollout/reward_errors": float(rollout.reward_stats.errors + rollout.reward_stats.timeouts),
         "rollout/samples": float(len(samples)),
+        **rollout.reward_stats.metrics(),  # reward/<name>_mean and _errors per named reward, reward/failure_limit
     }
     if samples:
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)

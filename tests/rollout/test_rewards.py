@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from megatron_rl.rollout import rewards
-from megatron_rl.rollout.rewards import compute_rewards, extract_final_answer, get_reward, math_answer
+from megatron_rl.rollout import rewards, synthetic_task
+from megatron_rl.rollout.rewards import compute_rewards, extract_final_answer, get_reward, math_answer, math_rewards
 from megatron_rl.rollout.sample import Sample
 
 
@@ -25,7 +25,7 @@ def test_registry_and_dotted_paths():
     assert get_reward("exact_match") is rewards.exact_match
     assert get_reward("megatron_rl.rollout.rewards:math_answer") is math_answer
     assert get_reward("megatron_rl.rollout.rewards.math_answer") is math_answer
-    assert get_reward("synthetic") is rewards.synthetic_reward
+    assert get_reward("synthetic") is synthetic_task.synthetic_reward  # registered by path: loaded when first asked
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward("nope")
     with pytest.raises(ValueError, match="cannot load reward 'megatron_rl.rollout.rewards:missing'"):
@@ -64,11 +64,12 @@ def test_math_answer(text, answer, expected):
 def test_math_answer_accepts_math_verify_when_installed(monkeypatch):
     assert extract_final_answer("\\boxed{\\sqrt{2}}") == "\\sqrt{2}"
     assert _score(math_answer, "\\boxed{\\sqrt{2}}", "2^{1/2}") == 0.0
-    monkeypatch.setattr(rewards, "_math_verify", lambda: lambda reference, text: reference == "2^{1/2}")
+    monkeypatch.setattr(math_rewards, "_math_verify", lambda: lambda reference, text: reference == "2^{1/2}")
     assert _score(math_answer, "\\boxed{\\sqrt{2}}", "2^{1/2}") == 1.0
 
 
-def test_errors_and_timeouts_score_zero_and_log_once(tokenizer, caplog):
+def test_closure_runs_in_threads_errors_and_timeouts_score_zero_and_log_once(tokenizer, caplog):
+    """A closure cannot be sent to a worker process: it runs in threads, where a hung call is abandoned."""
     release = threading.Event()
     late = threading.Semaphore(0)  # released by each hung call once it has returned its late result
 
@@ -99,8 +100,11 @@ def test_errors_and_timeouts_score_zero_and_log_once(tokenizer, caplog):
     assert [s.reward for s in samples] == expected  # the late 1.0s changed nothing
     assert (stats.count, stats.errors, stats.timeouts, stats.mean) == (8, 3, 2, 9.0 / 8)
     assert stats.first_error.startswith("RuntimeError: bad sample abc")
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "3 of 8 calls raised and 2 timed out" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings  # the note that it runs in threads, and the summary of the failures
+    assert "runs in threads" in warnings[0] and "abandoned, not killed" in warnings[0]
+    assert "3 of 8 calls raised or returned a non-number and 2 timed out" in warnings[1]
+    assert [s.reward_parts for s in samples[:2]] == [{"reward": 3.0}, {"reward": 0.0}]
 
 
 def test_stats_merge():

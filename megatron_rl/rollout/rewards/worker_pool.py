@@ -1,0 +1,124 @@
+"""A small pool of killable worker processes for reward calls: a call past its deadline is killed with its worker,
+and a fresh worker takes its place.
+
+Workers are plain `python -m megatron_rl.rollout.rewards.worker` processes talking over two pipes (not
+multiprocessing's spawn or forkserver: those re-import the user's `__main__` script in every worker). A call is
+sent pickled (the function by reference, its options and light `RewardInput`s) and answered with an `Outcome`.
+A worker ignores Ctrl-C (the trainer stops at a step boundary) and exits when its pipe closes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+from megatron_rl.rollout.rewards.user_functions import Failure, Outcome, RewardTask
+
+
+class _Worker:
+    """One worker process and the parent's ends of its pipes."""
+
+    def __init__(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        module = "megatron_rl.rollout.rewards.worker"
+        command = [sys.executable, "-m", module, str(to_child_r), str(from_child_w), json.dumps(sys.path)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # finds what the parent finds
+        self.process = subprocess.Popen(command, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.send = Connection(to_child_w, readable=False)
+        self.receive = Connection(from_child_r, writable=False)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.send.close()
+        self.receive.close()
+
+
+class WorkerPool:
+    """Up to `size` worker processes, started on first use and kept for later calls; `run` is serialised."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self.started = 0  # workers started so far (replacements included)
+        atexit.register(self.close)
+
+    def run(self, tasks: list[RewardTask], timeout_s: float) -> list[Outcome]:
+        """Each task's outcome; a task running past `timeout_s` (counted from when its worker got it) is a timed-out
+        Failure and its worker is killed and replaced."""
+        with self._lock:
+            outcomes: list[Outcome | None] = [None] * len(tasks)
+            todo = deque(range(len(tasks)))
+            busy: dict[Connection, tuple[_Worker, int, float]] = {}  # receive end -> (worker, task, deadline)
+            while todo or busy:
+                self._ensure_idle(min(self.size, len(todo) + len(busy)) - len(busy))
+                while todo and self._idle:
+                    worker, i = self._idle.pop(), todo.popleft()
+                    try:
+                        payload = pickle.dumps(tasks[i])
+                    except Exception as err:  # noqa: BLE001 - options or metadata that cannot be pickled
+                        outcomes[i] = Failure(f"cannot send the call to a reward worker: {type(err).__name__}: {err}")
+                        self._idle.append(worker)
+                        continue
+                    worker.send.send_bytes(payload)
+                    busy[worker.receive] = (worker, i, time.monotonic() + timeout_s)
+                if not busy:
+                    continue
+                next_deadline = min(deadline for _, _, deadline in busy.values())
+                for conn in wait(list(busy), timeout=max(next_deadline - time.monotonic(), 0.0)):
+                    worker, i, _ = busy.pop(conn)  # type: ignore[call-overload]
+                    try:
+                        outcomes[i] = worker.receive.recv()
+                        self._idle.append(worker)
+                    except (EOFError, OSError):
+                        outcomes[i] = Failure(f"the reward worker died (exit code {worker.process.poll()})")
+                        worker.kill()
+                now = time.monotonic()
+                for conn, (worker, i, deadline) in list(busy.items()):
+                    if now >= deadline:
+                        del busy[conn]
+                        worker.kill()
+                        outcomes[i] = Failure(f"timed out after {timeout_s:g} s", timed_out=True)
+            return [o if o is not None else Failure("no outcome") for o in outcomes]
+
+    def _ensure_idle(self, wanted: int) -> None:
+        """Start workers (all at once, then wait for each to be ready) until `wanted` are idle."""
+        fresh = [_Worker() for _ in range(wanted - len(self._idle))]
+        self.started += len(fresh)
+        for worker in fresh:
+            try:
+                worker.receive.recv_bytes()  # b"ready": imports done, so start-up does not count against a call
+                self._idle.append(worker)
+            except (EOFError, OSError) as err:
+                worker.kill()
+                code = worker.process.poll()
+                raise RuntimeError(f"a reward worker process failed to start (exit code {code})") from err
+
+    def close(self) -> None:
+        """Stop every idle worker (busy ones exist only inside `run`)."""
+        while self._idle:
+            self._idle.pop().kill()
+
+
+_POOL: WorkerPool | None = None
+
+
+def shared_pool(size: int) -> WorkerPool:
+    """The process's reward worker pool, grown to at least `size` workers."""
+    global _POOL
+    if _POOL is None:
+        _POOL = WorkerPool(size)
+    _POOL.size = max(_POOL.size, size)
+    return _POOL
