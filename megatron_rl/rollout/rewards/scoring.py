@@ -211,11 +211,8 @@ class RewardSet:
         workers = 1 if part.runner == "inline" else min(max_workers, os.cpu_count() or 1, max(len(samples), 1))
         light = part.runner == "process"
         inputs = [RewardInput(_light(s) if light else s, t) for s, t in zip(samples, texts, strict=True)]
-        if part.style == "sample":
-            groups = [[x] for x in inputs]
-        else:  # a batched (TRL) function: one call per worker
-            size = -(-len(inputs) // workers) if inputs else 1
-            groups = [inputs[i : i + size] for i in range(0, len(inputs), size)]
+        # A batched (TRL) function gets the whole batch in one call, as TRL calls it; `timeout_s` limits that call.
+        groups = [[x] for x in inputs] if part.style == "sample" else [inputs]
         tasks = [RewardTask(part.fn, part.style, part.options, g, self.answer_column) for g in groups]
         if part.runner == "inline":
             outcomes = [run_task(t) for t in tasks]

@@ -8,8 +8,8 @@
   `prompts`, not a column), and the options. For chat data (the row's prompt messages are in
   `metadata["prompt_messages"]`) a prompt is its message list and a completion is
   ``[{"role": "assistant", "content": text}]``; for text data both are strings. A function without ``**kwargs``
-  receives only the arguments it names. TRL's `trainer_state` is not passed. An entry of None counts as a failure
-  here (TRL skips it).
+  receives only the arguments it names. It is called once per batch (as TRL does), and `data.reward_timeout_s`
+  limits that call. TRL's `trainer_state` is not passed. An entry of None counts as a failure here (TRL skips it).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class WorkerPool:
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
         self.started = 0  # workers started so far (replacements included)
+        self.killed = 0  # workers killed: a call past its deadline, or a worker that died
         atexit.register(self.close)
 
     def run(self, tasks: list[RewardTask], timeout_s: float) -> list[Outcome]:
@@ -85,11 +86,13 @@ class WorkerPool:
                     except (EOFError, OSError):
                         outcomes[i] = Failure(f"the reward worker died (exit code {worker.process.poll()})")
                         worker.kill()
+                        self.killed += 1
                 now = time.monotonic()
                 for conn, (worker, i, deadline) in list(busy.items()):
                     if now >= deadline:
                         del busy[conn]
                         worker.kill()
+                        self.killed += 1
                         outcomes[i] = Failure(f"timed out after {timeout_s:g} s", timed_out=True)
             return [o if o is not None else Failure("no outcome") for o in outcomes]
 
