@@ -2,7 +2,8 @@
 
 Which node runs what (trainer ranks with their TP/PP/DP and expert coordinates, SGLang servers, router),
 the per-GPU memory estimate, and every reason an impossible plan fails. Needs no GPU, no SLURM and no
-model weights: only the model's config.json (`--hf-config`, else `model.hf_path`/config.json). The jobs
+model weights: only the model's config.json (`--hf-config`, else `model.hf_path`/config.json); every plugin the config
+names (rewards, environment, tools, generate function) is resolved first. The jobs
 themselves are submitted with the templates in scripts/slurm/, which print this plan first.
 """
 
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
+    from megatron_rl.config.plugins import check_plugins
     from megatron_rl.launch.plan import ClusterSpec, format_plan, make_plan, shell_plan
 
     if not args.dry_run:
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
             "launch only plans: add --dry-run. Submit jobs with scripts/slurm/colocated.sbatch or "
             "scripts/slurm/disaggregated.sbatch (they print this plan first)"
         )
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # imports the config's plugins
+    check_plugins(cfg)  # an unknown reward, environment or tool fails here, not on the cluster after the queue
     hf_config = Path(args.hf_config) if args.hf_config else Path(cfg.model.hf_path) / "config.json"
     if not hf_config.is_file():
         if cfg.model.build_tiny_if_missing and not args.hf_config:

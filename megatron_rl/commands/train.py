@@ -1,5 +1,7 @@
 """`megatron-rl train CONFIG [key=value ...]`: run RL training from a YAML config with dotted overrides.
 
+A thin face over the Python entry point `megatron_rl.train` (`megatron_rl/api.py`): the same function runs.
+
 Single process: `megatron-rl train examples/tiny_moe_gspo.yaml`.
 Several processes (tensor/expert/pipeline/data parallel): `torchrun --nproc_per_node N -m megatron_rl.cli train ...`.
 """
@@ -20,21 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.config import check_input_paths, config_help, load_config
-
     if args.help_config:
+        from megatron_rl.config import config_help
+
         print(config_help())
         return 0
     if args.config is None:
         raise ValueError("a config file is required, e.g. megatron-rl train examples/tiny_moe_gspo.yaml")
-    cfg = load_config(args.config, args.overrides)
-    check_input_paths(cfg)  # model, tokenizer and prompt files exist: fail before the model is built
-    from megatron_rl.trainer.loop import train
-    from megatron_rl.trainer.run_dir import resume_command
+    from megatron_rl.api import train
     from megatron_rl.trainer.stop_signals import TrainingAborted
 
     try:
-        result = train(cfg, resume_command=resume_command(cfg, args.config, args.overrides), verbose=args.verbose)
+        result = train(args.config, args.overrides, verbose=args.verbose)
     except TrainingAborted as aborted:  # a signal outside a step boundary: one line, no traceback
         print(aborted, file=sys.stderr, flush=True)
         return aborted.exit_code

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from megatron_rl.config.coercion import accepts_str, build, coerce_field, coerce_tree, section_of, to_dict
+from megatron_rl.config.coercion import _plain, accepts_str, build, coerce_field, coerce_tree, section_of, to_dict
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.plugins import import_plugins
 from megatron_rl.config.presets import PRESETS, preset_values
 from megatron_rl.config.schema import AlgoConfig, RLConfig
 from megatron_rl.config.validation import validate
@@ -160,16 +162,51 @@ def resolve(explicit: Mapping[str, Any]) -> RLConfig:
         cfg = replace(cfg, algo=replace(cfg.algo, rollout_correction=correction))
     for note in validate(cfg):
         log.warning("config: %s", note)
+    _PRESET_APPLIED[id(cfg.algo)] = cfg.algo
     return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Read YAML ``path`` (None = defaults only), apply ``key=value`` overrides, apply the preset, validate.
 
-    Precedence: defaults < ``algo.preset`` < keys in the YAML file < overrides. Raises ConfigError
+    Precedence: defaults < ``algo.preset`` < keys in the YAML file < overrides. The ``plugins`` modules are
+    imported first (modules next to the config file and in the working directory are found). Raises ConfigError
     naming the key for unknown keys, ill-typed values and invalid combinations; logs notes (warnings).
     """
-    return resolve(explicit_settings(path, overrides))
+    explicit = explicit_settings(path, overrides)
+    import_plugins(explicit.get("plugins", ()), path)
+    return resolve(explicit)
+
+
+# The algo sections `resolve` made (the preset is in their values already), by id: `configure` keeps them whole.
+_PRESET_APPLIED: weakref.WeakValueDictionary[int, AlgoConfig] = weakref.WeakValueDictionary()
+
+
+def configure(cfg: RLConfig, overrides: Sequence[str] = ()) -> RLConfig:
+    """A config built in Python (``RLConfig(model=ModelConfig(hf_path=...), ...)``), resolved and validated as
+    `load_config` resolves a file that sets the keys whose values differ from the defaults: ``algo.preset`` fills the
+    ``algo`` keys left at their defaults, ``plugins`` are imported first, ``overrides`` apply on top. An ``algo``
+    section that `load_config` made is kept whole (its preset is applied already)."""
+    defaults = build(RLConfig, {"model": {"hf_path": cfg.model.hf_path}})
+    explicit = _merge(_changed(cfg, defaults), {"model": {"hf_path": cfg.model.hf_path}})
+    if _PRESET_APPLIED.get(id(cfg.algo)) is cfg.algo:
+        explicit["algo"] = to_dict(cfg.algo)
+    explicit = _merge(explicit, explicit_settings(None, overrides))
+    import_plugins(explicit.get("plugins", ()))
+    return resolve(explicit)
+
+
+def _changed(obj: object, default: object) -> dict[str, Any]:
+    """The fields of config section `obj` that differ from `default`'s, as a partial tree of plain values."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        value, base = getattr(obj, f.name), getattr(default, f.name)
+        if is_dataclass(value) and type(value) is type(base) and not isinstance(value, type):
+            if sub := _changed(value, base):
+                out[f.name] = sub
+        elif value != base:
+            out[f.name] = _plain(value)
+    return out
 
 
 def from_dict(data: Mapping[str, Any]) -> RLConfig:

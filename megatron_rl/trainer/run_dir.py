@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -246,7 +247,7 @@ def start_run(plan: RunPlan) -> None:
         print(note, flush=True)
 
 
-def resume_command(cfg: RLConfig, config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+def resume_command(cfg: RLConfig, config_path: str | None, overrides: Sequence[str] = ()) -> str:
     """The command line that continues this run: the same config and overrides, trainer.resume=auto."""
     import shlex
 
