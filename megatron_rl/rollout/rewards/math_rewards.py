@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -79,10 +80,16 @@ def math_equal(predicted: str, reference: str) -> bool:
     parse, verify = _math_verify_functions()
     if "\\boxed" not in reference and "\\fbox" not in reference and "$" not in reference:
         reference = f"\\boxed{{{reference}}}"
-    # Its own timeouts use SIGALRM (main thread only): the scorer's worker processes enforce data.reward_timeout_s.
-    gold = parse(reference, parsing_timeout=None)
-    answer = parse(f"\\boxed{{{predicted}}}", parsing_timeout=None)
-    return bool(gold and answer and verify(gold, answer, timeout_seconds=None))
+    # Its own timeouts (5 s) use SIGALRM, which works in a main thread only (a worker process's calls run there);
+    # elsewhere the scorer's data.reward_timeout_s is the limit.
+    limit = _own_timeout()
+    gold = parse(reference, parsing_timeout=limit)
+    answer = parse(f"\\boxed{{{predicted}}}", parsing_timeout=limit)
+    return bool(gold and answer and verify(gold, answer, timeout_seconds=limit))
+
+
+def _own_timeout() -> int | None:
+    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 @functools.cache
@@ -288,7 +295,8 @@ def _math_verify() -> Callable[[str, str], bool] | None:
         return None
 
     def check(reference: str, text: str) -> bool:
-        gold, answer = parse(reference, parsing_timeout=None), parse(text, parsing_timeout=None)
-        return bool(verify(gold, answer, timeout_seconds=None))
+        limit = _own_timeout()
+        gold, answer = parse(reference, parsing_timeout=limit), parse(text, parsing_timeout=limit)
+        return bool(verify(gold, answer, timeout_seconds=limit))
 
     return check

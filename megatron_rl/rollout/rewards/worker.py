@@ -4,7 +4,6 @@ READ_FD WRITE_FD SYS_PATH_JSON` answers pickled reward calls until its pipe clos
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import signal
 import sys
@@ -35,5 +34,4 @@ def _serve(read_fd: int, write_fd: int) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.path[:] = json.loads(sys.argv[3])
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its note that we disabled its SIGALRM timeouts
     _serve(int(sys.argv[1]), int(sys.argv[2]))
