@@ -22,6 +22,8 @@ from multiprocessing.connection import Connection, wait
 
 from megatron_rl.rollout.rewards.user_functions import Failure, Outcome, RewardTask
 
+_START_TIMEOUT_S = 120  # a worker imports the rewards package before it answers "ready"
+
 
 class _Worker:
     """One worker process and the parent's ends of its pipes."""
@@ -73,7 +75,13 @@ class WorkerPool:
                         outcomes[i] = Failure(f"cannot send the call to a reward worker: {type(err).__name__}: {err}")
                         self._idle.append(worker)
                         continue
-                    worker.send.send_bytes(payload)
+                    try:
+                        worker.send.send_bytes(payload)
+                    except OSError:  # the idle worker died (killed from outside): another one takes the task
+                        worker.kill()
+                        self.killed += 1
+                        todo.appendleft(i)
+                        continue
                     busy[worker.receive] = (worker, i, time.monotonic() + timeout_s)
                 if not busy:
                     continue
@@ -102,12 +110,14 @@ class WorkerPool:
         self.started += len(fresh)
         for worker in fresh:
             try:
+                if not worker.receive.poll(_START_TIMEOUT_S):
+                    raise EOFError(f"not ready after {_START_TIMEOUT_S} s")
                 worker.receive.recv_bytes()  # b"ready": imports done, so start-up does not count against a call
                 self._idle.append(worker)
             except (EOFError, OSError) as err:
                 worker.kill()
                 code = worker.process.poll()
-                raise RuntimeError(f"a reward worker process failed to start (exit code {code})") from err
+                raise RuntimeError(f"a reward worker process failed to start ({err}; exit code {code})") from err
 
     def close(self) -> None:
         """Stop every idle worker (busy ones exist only inside `run`)."""
@@ -116,12 +126,14 @@ class WorkerPool:
 
 
 _POOL: WorkerPool | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def shared_pool(size: int) -> WorkerPool:
-    """The process's reward worker pool, grown to at least `size` workers."""
+    """The process's reward worker pool (rollouts and evaluations share it), grown to at least `size` workers."""
     global _POOL
-    if _POOL is None:
-        _POOL = WorkerPool(size)
-    _POOL.size = max(_POOL.size, size)
-    return _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = WorkerPool(size)
+        _POOL.size = max(_POOL.size, size)
+        return _POOL
