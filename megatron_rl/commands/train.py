@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ValueError("a config file is required, e.g. megatron-rl train examples/tiny_moe_gspo.yaml")
     from megatron_rl.api import train
-    from megatron_rl.trainer.stop_signals import TrainingAborted
+    from megatron_rl.trainer.stop_signals import TrainingAborted, under_torchrun
 
     try:
         result = train(args.config, args.overrides, verbose=args.verbose)
@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
         print(aborted, file=sys.stderr, flush=True)
         return aborted.exit_code
     if result.stopped_by is not None:  # stopped cleanly at a step boundary; the loop said where
-        return 128 + result.stopped_by
+        # Under torchrun a worker that stopped and saved as asked exits 0: torchrun's agent reports any other code
+        # as a failed worker (a ChildFailedError report) when the signal reached the workers only.
+        return 0 if under_torchrun() else 128 + result.stopped_by
     if result.history:
         last = result.history[-1]
         for key in ("eval/accuracy", "rollout/reward_mean"):

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -248,14 +250,49 @@ def start_run(plan: RunPlan) -> None:
 
 
 def resume_command(cfg: RLConfig, config_path: str | None, overrides: Sequence[str] = ()) -> str:
-    """The command line that continues this run: the same config and overrides, trainer.resume=auto."""
+    """The command line that continues this run, with trainer.resume=auto: `megatron-rl train` with the same config
+    and overrides; under torchrun the torchrun command line that launched this process (its agent is the parent);
+    under SLURM, also: resubmit the job (the templates requeue it and resume)."""
     import shlex
 
     if config_path is None:
         config_path, overrides = str(Path(cfg.trainer.output_dir) / "config.yaml"), ()
-    kept = [o for o in overrides if not o.startswith(("trainer.resume=", "trainer.overwrite="))]
+    kept = [o for o in overrides if not o.removeprefix("--").startswith(("trainer.resume=", "trainer.overwrite="))]
     extra = ["trainer.resume=auto"] + (["trainer.overwrite=false"] if cfg.trainer.overwrite else [])
-    return shlex.join(["megatron-rl", "train", config_path, *kept, *extra])
+    args = ["train", config_path, *kept, *extra]
+    launcher = _torchrun_launcher()
+    command = shlex.join([*launcher, "-m", "megatron_rl.cli", *args] if launcher else ["megatron-rl", *args])
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        return f"sbatch the same job script again (SLURM job {job}; trainer.resume=auto continues the run) or {command}"
+    return command
+
+
+def _torchrun_launcher() -> list[str] | None:
+    """Under torchrun: its command line up to the worker's entry point (`torchrun --nproc-per-node 2`), read from
+    this worker's parent, torchrun's agent; None outside torchrun or when the parent's command line is unreadable."""
+    if not (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK")):
+        return None
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        parent = [a.decode(errors="surrogateescape") for a in raw.removesuffix(b"\0").split(b"\0")]
+    except OSError:
+        try:
+            import psutil
+
+            parent = psutil.Process().parent().cmdline()
+        except Exception:  # noqa: BLE001 - no psutil, or no parent: fall back to the plain command
+            return None
+    tail = sys.argv[1:]  # the worker's arguments end the agent's command line, after the entry point
+    if len(parent) <= len(tail) or parent[len(parent) - len(tail) :] != tail:
+        return None
+    head = parent[: len(parent) - len(tail)]
+    head = head[:-2] if len(head) >= 2 and head[-2] == "-m" else head[:-1]  # drop `-m module` or `script.py`
+    if len(head) >= 2 and Path(head[1]).name == "torchrun" and shutil.which("torchrun") == head[1]:
+        head = head[1:]  # `python /usr/bin/torchrun ...` is the `torchrun` on PATH: show it as typed
+    if head and Path(head[0]).name == "torchrun" and shutil.which("torchrun") == head[0]:
+        head = ["torchrun", *head[1:]]
+    return head if head else None
 
 
 # ---------------------------------------------------------------------------------------------- helpers

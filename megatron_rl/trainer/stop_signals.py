@@ -6,6 +6,10 @@ yet) a signal aborts at once; once armed, the first signal only sets a flag that
 at each step boundary (`agreed`), and a second one aborts. An abort raises `TrainingAborted`, a BaseException
 like KeyboardInterrupt, so the trainer's `finally` blocks still shut the rollout engine and process group down
 and no `except Exception` on the way swallows it; the command turns it into one line and exit code 128 + signal.
+
+Under torchrun a Ctrl-C reaches each worker twice (from the terminal, and forwarded by torchrun's agent, which then
+waits its `--shutdown-timeout`, 30 s by default, before killing the workers), so there a repeated signal is not a
+second request: it is ignored, and the workers stop at the step boundary (or abort, before training started).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class StopSignals:
         self._pid = os.getpid()
         self._writing: str | None = None  # a checkpoint write in progress: an abort waits for its end
         self._deferred: int | None = None  # the signal of an abort that waits for the write
+        self.under_torchrun = under_torchrun()  # a repeated signal is torchrun's agent forwarding the first one
+        self._aborting = False  # an abort was raised (torchrun: later signals are ignored while it unwinds)
 
     def __enter__(self) -> StopSignals:
         self._pid = os.getpid()
@@ -78,6 +84,8 @@ class StopSignals:
         if os.getpid() != self._pid:
             return  # a forked helper (checkpoint writer) inherited the handler: the trainer decides
         name = signal.Signals(signum).name
+        if self.under_torchrun and (self.requested is not None or self._aborting):
+            return  # the same Ctrl-C again, forwarded by torchrun's agent
         if self.armed and self.requested is None:
             self._ask_to_stop(signum, name)
         elif self._writing is not None and self._deferred is None:
@@ -90,6 +98,7 @@ class StopSignals:
             raise self._abort(signum)
 
     def _abort(self, signum: int) -> TrainingAborted:
+        self._aborting = True
         name = signal.Signals(signum).name
         if self.step is None:  # nothing of this start is on disk yet
             return TrainingAborted(signum, f"interrupted ({name}) before training started; resume with: "
@@ -103,7 +112,9 @@ class StopSignals:
     def _ask_to_stop(self, signum: int, name: str) -> None:
         self.requested = signum
         if self.announce:  # os.write: print() may be in progress on this thread and is not reentrant
-            os.write(2, f"{name}: stopping at the end of this step ({_key(signum)} again to abort now)\n".encode())
+            again = "torchrun ends the workers after its --shutdown-timeout" if self.under_torchrun else (
+                f"{_key(signum)} again to abort now")  # fmt: skip
+            os.write(2, f"{name}: stopping at the end of this step on every rank ({again})\n".encode())
 
     def agreed(self) -> int | None:
         """Collective (every rank calls it at the same step boundary): the signal any rank got, or None."""
@@ -126,6 +137,11 @@ class StopSignals:
     def _tail(self, note: str = "") -> str:
         last = "none (a resume starts at step 0)" if self.last_checkpoint is None else str(self.last_checkpoint)
         return f"last checkpoint step {last}{note}; resume with: {self.resume_command}"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker that torchrun (torch.distributed.run) started."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def _key(signum: int) -> str:

@@ -119,6 +119,7 @@ start_sglang_servers() {
 
 # run_trainer NNODES HEAD "NODE NAMES" [extra overrides...]: torchrun on each node (one srun task per
 # node), c10d rendezvous on HEAD; resumes from RUN_DIR's last checkpoint. Returns the trainer's status.
+# megatron_rl.launch.torchrun is torchrun that ends with one line, not a SignalException traceback, on scancel.
 run_trainer() {
     local nnodes="$1" head="$2" nodelist="$3"
     shift 3
@@ -127,7 +128,7 @@ run_trainer() {
     srun --overlap --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --nodelist="${nodelist// /,}" \
         --kill-on-bad-exit=1 \
         --output="$LOG_DIR/trainer_%N.log" \
-        "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" \
+        "$PYTHON" -m megatron_rl.launch.torchrun --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$head:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \
         -m megatron_rl.cli train "$CONFIG" $OVERRIDES "trainer.output_dir=$RUN_DIR" trainer.resume=auto "$@" &
     local pid=$!

@@ -7,11 +7,16 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from megatron_rl.megatron_backend.distributed import free_port
 from tests.faults.conftest import Reference
 from tests.faults.harness import (
     REPO,
@@ -194,3 +199,63 @@ def test_sigkill_during_background_save_then_resume_is_exact(fault_model: Path, 
     rows = history(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "every step logged exactly once, in order"
     assert comparable(rows) == comparable(reference.rows)
+
+
+@pytest.mark.torchrun
+def test_ctrl_c_under_torchrun_stops_cleanly_and_its_command_resumes(fault_model: Path, tmp_path: Path) -> None:
+    """`torchrun --nproc_per_node 2 -m megatron_rl.cli train ...` (DP=2) and a Ctrl-C to its process group (the
+    terminal's): every rank stops at the step boundary and saves; no worker prints a traceback (the only one is
+    torchrun's own SignalException, exit code 1, as docs/reliability.md says); the printed resume command is the
+    torchrun command line, and running it as printed ends with the rows of an uninterrupted torchrun run."""
+    steps = "trainer.steps=8"
+    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2"]
+
+    def command(out: Path) -> list[str]:
+        return [*torchrun, f"--master-port={free_port()}", "-m", *train_command(out, fault_model, steps)[2:]]
+
+    ref = Trainer(command(tmp_path / "reference"))
+    assert ref.wait() == 0, ref.output()[-3000:]
+    out = tmp_path / "run"
+    run = Trainer(command(out))
+    assert run.wait_for(r"^step 1/8\b") is not None, run.output()[-3000:]
+    run.signal(signal.SIGINT)
+    code, output = run.wait(), run.output()
+    assert code == 1, output[-3000:]  # torchrun's agent: SignalException, whatever the workers do
+    tracebacks = output.count("Traceback (most recent call last)")
+    assert tracebacks == len(re.findall(rf"SignalException: Process {run.proc.pid} got signal: 2$", output, re.M))
+    assert "KeyboardInterrupt" not in output and "ChildFailedError" not in output, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("interrupted at step")]
+    match = re.match(r"interrupted at step (\d+); last checkpoint step (\d+)\b.*; resume with: (.+)$", line)
+    assert match is not None and match[1] == match[2] and int(match[1]) < 8, line
+    assert int(match[1]) == _step_of(latest(out))
+    resume = shlex.split(match[3])
+    launcher = resume[: resume.index("-m")]
+    assert Path(launcher[-4]).name == "torchrun" and launcher[-3:-1] == ["--nproc_per_node", "2"], resume
+    assert resume[resume.index("-m") : resume.index("-m") + 3] == ["-m", "megatron_rl.cli", "train"]
+    assert resume[-1] == "trainer.resume=auto" and "trainer.steps=8" in resume
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows, expected = comparable(history(out)), comparable(history(tmp_path / "reference"))
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for got, want in zip(rows, expected, strict=True):
+        assert got.keys() == want.keys()
+        assert got == {k: pytest.approx(v, rel=1e-6, abs=1e-9) for k, v in want.items()}, got["step"]
+
+
+@pytest.mark.torchrun
+def test_the_slurm_templates_torchrun_stops_without_a_traceback(fault_model: Path, tmp_path: Path) -> None:
+    """scripts/slurm runs torchrun as `python -m megatron_rl.launch.torchrun`: a SIGTERM to the job (scancel) ends
+    it with the workers' stop line and one line of torchrun's, exit code 143, no traceback."""
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "megatron_rl.launch.torchrun", "--nproc_per_node", "2",
+              f"--master-port={free_port()}"]  # fmt: skip
+    run = Trainer([*launch, "-m", *train_command(out, fault_model, "trainer.steps=8")[2:]])
+    assert run.wait_for(r"^step 1/8\b") is not None, run.output()[-3000:]
+    run.signal(signal.SIGTERM)
+    code, output = run.wait(), run.output()
+    assert code == 143, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.splitlines()[-1].startswith("torchrun: stopped by SIGTERM; the workers stopped at a step boundary")
+    (line,) = [line for line in output.splitlines() if line.startswith("interrupted at step")]
+    assert int(line.split()[3].rstrip(";")) == _step_of(latest(out))
