@@ -84,6 +84,7 @@ def test_trl_style_functions(tokenizer) -> None:
     # A wrong number of values fails the whole call.
     stats = compute_rewards(_samples(tokenizer, ["a", "b", "c"]), f"{FIXTURES}:trl_wrong_length", tokenizer)
     assert stats.errors == 3 and "returned 1 rewards for 3 completions" in stats.first_error
+    assert compute_rewards([], f"{FIXTURES}:trl_length", tokenizer).count == 0  # no samples, no call
 
 
 def test_trl_arguments_follow_grpo_trainers_contract(tokenizer) -> None:
@@ -127,6 +128,7 @@ def test_failure_limit_stops_with_the_first_error_and_its_sample(tokenizer) -> N
     assert "the first: KeyError: 'ground_truth'" in message
     assert "prompt '<|im_start|>user\\nquestion 0<|im_end|>' and response 'response 0'" in message
     # A higher limit trains on with the failures scored 0 (and counted).
+    assert "reward_timeout_s" not in message  # nothing timed out
     stats = reward.score(samples, tokenizer, failure_limit=1.0)
     assert [s.reward for s in samples] == [0.0] * 8 and stats.metrics()["reward/always_raises_errors"] == 8.0
 
@@ -163,7 +165,7 @@ def test_a_hung_reward_is_killed_after_the_timeout(tokenizer) -> None:
     assert pool.killed == killed + 1  # the hung worker was killed; every worker left is alive
     assert pool._idle and all(w.process.poll() is None for w in pool._idle)
     # A timeout counts against the limit like any failure.
-    with pytest.raises(RewardFailureError, match="failed on 1 of 4 samples.*timed out after 1 s"):
+    with pytest.raises(RewardFailureError, match="failed on 1 of 4 .*timed out after 1 s.*data.reward_timeout_s"):
         RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples, tokenizer, timeout_s=1.0)
 
 

@@ -90,7 +90,8 @@ class RewardStats:
 
 
 class RewardFailureError(ValueError):
-    """More than `data.reward_failure_limit` of one batch's calls of a reward failed."""
+    """More than `data.reward_failure_limit` of one batch's calls of one reward (of a weighted list: each is counted
+    apart) raised, timed out or returned a non-number."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ class RewardSet:
         self, part: RewardPart, samples: list[Sample], texts: list[str], timeout_s: float, max_workers: int
     ) -> list[float | Failure]:
         """One value or Failure per sample for `part`."""
+        if not samples:
+            return []
         workers = 1 if part.runner == "inline" else min(max_workers, os.cpu_count() or 1, max(len(samples), 1))
         light = part.runner == "process"
         inputs = [RewardInput(_light(s) if light else s, t) for s, t in zip(samples, texts, strict=True)]
@@ -322,10 +325,11 @@ def _failure_message(
 ) -> str:
     i, first = failures[0]
     prompt = samples[i].metadata.get("prompt", "")
+    slow = "raise data.reward_timeout_s, " if any(f.timed_out for _, f in failures) else ""
     return (
         f"reward {part.label!r} failed on {len(failures)} of {n} samples of a batch (raised, timed out or returned a "
         f"non-number), more than data.reward_failure_limit={limit:g}; the first: {_one_line(first.message, 200)} on "
-        f"the sample with prompt {_shown(prompt)} and response {_shown(texts[i])}. Fix the function, or raise "
+        f"the sample with prompt {_shown(prompt)} and response {_shown(texts[i])}. Fix the function, {slow}or raise "
         "data.reward_failure_limit to train on with failed calls scored 0"
     )
 
