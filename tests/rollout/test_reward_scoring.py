@@ -10,8 +10,8 @@ import pytest
 from megatron_rl.config.loader import load_config
 from megatron_rl.config.schema import RewardSpec
 from megatron_rl.rollout.rewards import RewardFailureError, RewardSet, RewardStats, build_reward, compute_rewards
-from megatron_rl.rollout.rewards.user_functions import RewardInput, reward_style, trl_arguments
-from megatron_rl.rollout.rewards.worker_pool import shared_pool
+from megatron_rl.rollout.rewards.user_functions import RewardInput, RewardTask, reward_style, trl_arguments
+from megatron_rl.rollout.rewards.worker_pool import WorkerPool, shared_pool
 from megatron_rl.rollout.sample import Sample
 from tests.rollout import reward_fixtures
 
@@ -167,6 +167,17 @@ def test_a_hung_reward_is_killed_after_the_timeout(tokenizer) -> None:
     # A timeout counts against the limit like any failure.
     with pytest.raises(RewardFailureError, match="failed on 1 of 4 .*timed out after 1 s.*data.reward_timeout_s"):
         RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples, tokenizer, timeout_s=1.0)
+
+
+def test_a_pool_closes_every_worker(tokenizer) -> None:
+    pool = WorkerPool(2)
+    items = [RewardInput(s, "ab") for s in _samples(tokenizer, ["ab", "ab"])]
+    tasks = [RewardTask(reward_fixtures.marked, "sample", {}, [item]) for item in items]
+    assert pool.run(tasks, timeout_s=60) == [[2.0], [2.0]]
+    workers = list(pool._alive)
+    assert len(workers) == 2 and all(w.process.poll() is None for w in workers)
+    pool.close()
+    assert all(w.process.poll() is not None for w in workers) and not pool._alive
 
 
 def test_stats_merge_parts() -> None:

@@ -53,9 +53,10 @@ class WorkerPool:
     def __init__(self, size: int):
         self.size = size
         self._idle: list[_Worker] = []
+        self._alive: set[_Worker] = set()  # every worker not yet killed, idle or busy
         self._lock = threading.Lock()
         self.started = 0  # workers started so far (replacements included)
-        self.killed = 0  # workers killed: a call past its deadline, or a worker that died
+        self.killed = 0  # workers killed: a call past its deadline, a worker that died, `close`
         atexit.register(self.close)
 
     def run(self, tasks: list[RewardTask], timeout_s: float) -> list[Outcome]:
@@ -78,8 +79,7 @@ class WorkerPool:
                     try:
                         worker.send.send_bytes(payload)
                     except OSError:  # the idle worker died (killed from outside): another one takes the task
-                        worker.kill()
-                        self.killed += 1
+                        self._kill(worker)
                         todo.appendleft(i)
                         continue
                     busy[worker.receive] = (worker, i, time.monotonic() + timeout_s)
@@ -93,20 +93,19 @@ class WorkerPool:
                         self._idle.append(worker)
                     except (EOFError, OSError):
                         outcomes[i] = Failure(f"the reward worker died (exit code {worker.process.poll()})")
-                        worker.kill()
-                        self.killed += 1
+                        self._kill(worker)
                 now = time.monotonic()
                 for conn, (worker, i, deadline) in list(busy.items()):
                     if now >= deadline:
                         del busy[conn]
-                        worker.kill()
-                        self.killed += 1
+                        self._kill(worker)
                         outcomes[i] = Failure(f"timed out after {timeout_s:g} s", timed_out=True)
             return [o if o is not None else Failure("no outcome") for o in outcomes]
 
     def _ensure_idle(self, wanted: int) -> None:
         """Start workers (all at once, then wait for each to be ready) until `wanted` are idle."""
         fresh = [_Worker() for _ in range(wanted - len(self._idle))]
+        self._alive.update(fresh)
         self.started += len(fresh)
         for worker in fresh:
             try:
@@ -115,14 +114,20 @@ class WorkerPool:
                 worker.receive.recv_bytes()  # b"ready": imports done, so start-up does not count against a call
                 self._idle.append(worker)
             except (EOFError, OSError) as err:
-                worker.kill()
+                self._kill(worker)
                 code = worker.process.poll()
                 raise RuntimeError(f"a reward worker process failed to start ({err}; exit code {code})") from err
 
+    def _kill(self, worker: _Worker) -> None:
+        worker.kill()
+        self._alive.discard(worker)
+        self.killed += 1
+
     def close(self) -> None:
-        """Stop every idle worker (busy ones exist only inside `run`)."""
-        while self._idle:
-            self._idle.pop().kill()
+        """Stop every worker, also one left busy by an interrupted `run` (at exit: none outlives the trainer)."""
+        while self._alive:
+            self._kill(next(iter(self._alive)))
+        self._idle.clear()
 
 
 _POOL: WorkerPool | None = None
