@@ -58,3 +58,10 @@ def trl_wrong_length(prompts: list, completions: list, **kwargs: Any) -> list[fl
 
 def two_positional(sample: Sample, text: str) -> float:
     return 0.0
+
+
+def raises_on_eval(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
+    """The synthetic task's reward on training rows; raises on rows marked split=eval (the evaluation's file)."""
+    if metadata.get("split") == "eval":
+        raise ValueError("no scorer for evaluation rows")
+    return float(sample.finish_reason == "stop" and text.strip() == metadata["answer"])

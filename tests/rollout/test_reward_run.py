@@ -1,7 +1,9 @@
-"""End to end: a run whose reward always raises stops at its first step with exit code 2 and one clear line."""
+"""End to end: a run whose reward fails beyond data.reward_failure_limit, in a rollout or in an evaluation, stops with
+exit code 2 and one clear line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -9,24 +11,31 @@ from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.shared_runs import DEMO_SEED, TRAIN
 
 
-def test_a_reward_that_always_raises_stops_the_run(tmp_path: Path) -> None:
+def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     model = make_tiny_qwen3_moe(tmp_path / "model", seed=DEMO_SEED)
-    proc = subprocess.run(
+    return subprocess.run(
         [
             *TRAIN,
-            "trainer.steps=2",
             "warmup.sft_steps=0",
-            "data.reward=tests.rollout.reward_fixtures:always_raises",
             f"trainer.output_dir={tmp_path / 'run'}",
             f"model.hf_path={model}",
-            "data.eval=null",
-            "data.eval_every=0",
             "logging.wandb=false",
             "logging.plot=false",
+            *overrides,
         ],
         capture_output=True,
         text=True,
         timeout=600,
+    )
+
+
+def test_a_reward_that_always_raises_stops_the_run(tmp_path: Path) -> None:
+    proc = _train(
+        tmp_path,
+        "trainer.steps=2",
+        "data.reward=tests.rollout.reward_fixtures:always_raises",
+        "data.eval=null",
+        "data.eval_every=0",
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("megatron-rl train: error:")]
@@ -39,3 +48,24 @@ def test_a_reward_that_always_raises_stops_the_run(tmp_path: Path) -> None:
     ), errors[0]
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # it stopped before training a step
+
+
+def test_the_limit_applies_to_evaluation(tmp_path: Path) -> None:
+    rows = [{"prompt": digits, "answer": digits[::-1], "split": "eval"} for digits in ("123", "4567", "890", "2468")]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = _train(
+        tmp_path,
+        "trainer.steps=1",
+        "data.reward=tests.rollout.reward_fixtures:raises_on_eval",
+        f"data.eval={eval_file}",
+        "data.eval_every=1",
+        "data.eval_prompts=4",
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (
+        "megatron-rl train: error: reward 'tests.rollout.reward_fixtures:raises_on_eval' failed on 4 of 4 samples"
+        in proc.stderr
+    ), proc.stderr[-3000:]
+    # 4 of 4: the evaluation's batch (a rollout scores 64), stopped by its first error.
+    assert "the first: ValueError: no scorer for evaluation rows" in proc.stderr
