@@ -53,6 +53,7 @@ from megatron_rl.trainer.rollout_phase import (
     sync_weights,
 )
 from megatron_rl.trainer.run_log import RunLog, run_header
+from megatron_rl.trainer.sample_log import SampleLog, eval_dataset_name
 from megatron_rl.trainer.step_metrics import mismatch_metrics, multi_turn_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.warmup import WarmupRun, run_warmup
@@ -84,6 +85,7 @@ class StepParts:
     memory: ColocatedMemory
     source: RolloutSource | None = None
     producer: RolloutProducer | None = None  # async mode, rank 0
+    samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
 
     @property
     def requests(self) -> RolloutEngine | None:
@@ -170,7 +172,9 @@ def _run(
             to_dict(cfg),
             first_step=plan.first_logged_step,
             wandb_id=plan.identity.run_id,
+            samples=SampleLog(cfg.logging, plan.output_dir, parts.tokenizer, first_step=plan.first_logged_step),
         )
+        parts.samples_log = log.samples
         if plan.resume_from is not None and state.get("metrics_row") is not None:
             log.restore_row(state["step"], state["metrics_row"])
     warmup = WarmupRun(plan.output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
@@ -181,7 +185,7 @@ def _run(
     if state["step"] == 0 and evaluating:
         parts.memory.for_rollout()
         if log is not None:
-            log.log(0, evaluate(cfg, parts.engine, parts.data, parts.tokenizer))  # the starting point of the curve
+            log.log(0, evaluate(cfg, parts.engine, parts.data, parts.tokenizer, log.samples, 0))  # the curve's start
     if parts.engine is not None and cfg.trainer.mode == "async":
         parts.producer = RolloutProducer(
             cfg,
@@ -204,7 +208,7 @@ def _run(
         if evaluating and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
             parts.memory.for_rollout()
             if rank0:
-                metrics.update(evaluate(cfg, parts.requests, parts.data, parts.tokenizer))
+                metrics.update(evaluate(cfg, parts.requests, parts.data, parts.tokenizer, parts.samples_log, step))
         saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
         if saved:
             metrics["time/checkpoint"] = _save(parts, plan, stop, step, metrics if rank0 else None, saves)
@@ -345,9 +349,10 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     # 2. Advantages from the group-structured rewards.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     options = estimator_options(algo.advantage, norm_by_std=algo.norm_adv_by_std)
-    batch = samples_to_batch(
-        samples, advantages=compute_advantages(algo.advantage, rewards, cfg.rollout.n_samples, **options)
-    )
+    advantages = compute_advantages(algo.advantage, rewards, cfg.rollout.n_samples, **options)
+    batch = samples_to_batch(samples, advantages=advantages)
+    if p.samples_log is not None:
+        p.samples_log.add_step(step, samples, advantages.tolist())
 
     # 3. Mini-batches of the first epoch are fixed now: old-policy log-probs are computed on exactly the
     #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0).
@@ -438,9 +443,17 @@ def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> lis
 
 
 # ---------------------------------------------------------------------------------------------- parts
-def evaluate(cfg: RLConfig, engine: RolloutEngine | None, data: PromptData, tokenizer: Any) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts (rank 0, which holds the engine). An engine that fails here is
-    reported and the evaluation skipped: the next rollout restarts it and re-sends the weights (every rank)."""
+def evaluate(
+    cfg: RLConfig,
+    engine: RolloutEngine | None,
+    data: PromptData,
+    tokenizer: Any,
+    samples_log: SampleLog | None = None,
+    step: int = 0,
+) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts (rank 0, which holds the engine); the scored generations go to
+    `samples_log` as step `step`'s eval rows. An engine that fails here is reported and the evaluation skipped: the
+    next rollout restarts it and re-sends the weights (every rank)."""
     if engine is None:
         raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine")
     from megatron_rl.rollout.rewards import compute_rewards
@@ -455,6 +468,8 @@ def evaluate(cfg: RLConfig, engine: RolloutEngine | None, data: PromptData, toke
     for s, p in zip(samples, prompts, strict=True):
         s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
     stats = compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)  # failure limit
+    if samples_log is not None:
+        samples_log.add_eval(step, samples, eval_dataset_name(cfg.data))
     metrics = {"eval/accuracy": sum(s.reward is not None and s.reward > 0.5 for s in samples) / len(samples)}
     metrics.update({f"eval/{k}": v for k, v in stats.metrics().items() if k != "reward/failure_limit"})
     if any("turns" in s.metadata for s in samples):  # the greedy trajectories' tool use

@@ -1,5 +1,5 @@
 """Where a run reports: a line per step with ETA, `metrics.jsonl`, wandb (offline without an API key),
-TensorBoard, and PNG plots of the curves people look at."""
+TensorBoard, the samples files (`sample_log`), and PNG plots of the curves people look at (`plots`)."""
 
 from __future__ import annotations
 
@@ -13,27 +13,12 @@ from typing import Any
 
 from megatron_rl.config.schema import LoggingConfig, RLConfig
 from megatron_rl.megatron_backend.models.family import ModelDims
+from megatron_rl.trainer.plots import PLOTS, write_plots
+from megatron_rl.trainer.sample_log import SampleLog, wandb_table
+
+__all__ = ["PLOTS", "RunLog", "restore_history", "run_header"]
 
 logger = logging.getLogger(__name__)
-
-# (file name, title, metric keys) of the plots written at the end of a run.
-PLOTS = (
-    ("reward.png", "reward and held-out accuracy", ("rollout/reward_mean", "eval/accuracy")),
-    ("train.png", "policy", ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm")),
-    ("mismatch.png", "trainer vs rollout log-probs", ("mismatch/logp_abs_diff", "mismatch/k3_kl")),
-    (
-        "tools.png",
-        "multi-turn tool use (rollouts)",
-        (
-            "multi_turn/tool_success_rate",
-            "multi_turn/tool_calls_per_trajectory",
-            "multi_turn/turns_mean",
-            "multi_turn/observation_token_share",
-        ),
-    ),
-    ("async.png", "asynchronous RL", ("async/staleness_mean", "async/trainer_wait_s", "async/engine_wait_s")),
-)
-
 
 def restore_history(path: Path, first_step: int) -> list[dict[str, float]]:
     """Cut `metrics.jsonl` back to the rows before `first_step` (the first step this start logs) and return them.
@@ -65,6 +50,7 @@ def run_header(cfg: RLConfig, dims: ModelDims, resumed_from: Path | None, start_
     kl = f", KL {a.kl_estimator} x {a.kl_coef:g}" if a.kl_coef > 0 else ""
     layout = " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "pp", "ep", "cp") if getattr(p, k, 1) != 1) or "1 process"
     where = f"resumed from {resumed_from} at step {start_step}" if resumed_from is not None else "new run"
+    mode = f"async (max staleness {t.max_staleness})" if t.mode == "async" else "sync"
     return "\n".join(
         [
             f"megatron-rl train: {a.preset if a.preset != 'none' else a.loss} | {t.steps} steps | {where}",
@@ -72,7 +58,7 @@ def run_header(cfg: RLConfig, dims: ModelDims, resumed_from: Path | None, start_
             f"{moe})",
             f"  algo    loss {a.loss}, agg {a.agg}, clip {a.clip_low:g}/{a.clip_high:g}, advantage {a.advantage}{kl}, "
             f"routing replay {a.routing_replay}",
-            f"  rollout {r.engine} engine, {r.prompts_per_step} prompts x {r.n_samples} samples, "
+            f"  rollout {mode}, {r.engine} engine, {r.prompts_per_step} prompts x {r.n_samples} samples, "
             f"{r.sampling.max_new_tokens} new tokens; layout {layout}",
             f"  output  {t.output_dir} (full config: config.yaml; --verbose prints it)",
         ]
@@ -84,7 +70,10 @@ class RunLog:
 
     `first_step` is the first step this start logs: rows from it on are cut from metrics.jsonl (a resumed run
     redoes them), earlier rows are loaded into `history` so plots and summaries cover the whole run; TensorBoard
-    drops its events from `first_step` on, and wandb continues the run `wandb_id` (stable across resumes)."""
+    drops its events from `first_step` on, and wandb continues the run `wandb_id` (stable across resumes).
+    `samples` (built with the same `first_step`) holds the steps' sample rows: written with the step's metrics,
+    logged as the wandb tables `samples` / `eval_samples`, and the `logging.show_samples` excerpt printed after
+    the step line."""
 
     def __init__(
         self,
@@ -95,8 +84,10 @@ class RunLog:
         *,
         first_step: int = 0,
         wandb_id: str | None = None,
+        samples: SampleLog | None = None,
     ):
         self.cfg = cfg
+        self.samples = samples
         self.output_dir = output_dir
         self.total_steps = total_steps
         self.history: list[dict[str, float]] = restore_history(output_dir / "metrics.jsonl", first_step)
@@ -132,11 +123,14 @@ class RunLog:
         return SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=first_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, metrics)
+        tables, excerpt = self.samples.take(step) if self.samples is not None else ({}, "")
+        self._write(step, metrics, tables)
         if self._first_step is None:
             self._first_step, self._start = step, time.monotonic()
         if step % self.cfg.log_every == 0 or step == self.total_steps:
             print(self.format_line(step, metrics), flush=True)
+        if excerpt:
+            print(excerpt, flush=True)
 
     def restore_row(self, step: int, metrics: dict[str, float]) -> bool:
         """Log `step`'s row kept in its checkpoint when metrics.jsonl lacks it (the run died between publishing the
@@ -147,13 +141,19 @@ class RunLog:
         self._write(step, metrics)
         return True
 
-    def _write(self, step: int, metrics: dict[str, float]) -> None:
+    def _write(self, step: int, metrics: dict[str, float], tables: dict[str, list[dict]] | None = None) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            import wandb
+
+            logged: dict[str, Any] = dict(metrics)
+            for name, rows in (tables or {}).items():
+                columns, data = wandb_table(rows)
+                logged[name] = wandb.Table(columns=columns, data=data)
+            self._wandb.log(logged, step=step)
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
@@ -169,6 +169,7 @@ class RunLog:
             ("actor/pg_loss", "loss", ".4f"),
             ("actor/ppo_kl", "ppo_kl", ".2e"),
             ("actor/ppo_kl_first", "kl0", ".0e"),
+            ("actor/kl_ref", "kl_ref", ".2e"),  # the KL to the reference (only with algo.kl_coef > 0)
             ("actor/clip_frac_high", "clip", ".3f"),
             ("actor/grad_norm", "gnorm", ".3f"),
             ("mismatch/logp_abs_diff", "mismatch", ".1e"),
@@ -190,41 +191,8 @@ class RunLog:
         return self.plot() if self.cfg.plot else []
 
     def plot(self) -> list[Path]:
-        """One PNG per entry of PLOTS; a figure of several metrics gets one panel per metric (their scales
-        differ by decades), on a log scale where a positive series spans more than two decades."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        written = []
-        for name, title, keys in PLOTS:
-            series = {k: [(r["step"], r[k]) for r in self.history if k in r and math.isfinite(r[k])] for k in keys}
-            series = {k: v for k, v in series.items() if v}
-            if not series:
-                continue
-            panels = 1 if name == "reward.png" else len(series)  # reward and accuracy share one [0, 1] axis
-            fig, axes = plt.subplots(panels, 1, figsize=(7, 2.2 + 1.8 * panels), sharex=True, squeeze=False)
-            for i, (key, points) in enumerate(series.items()):
-                ax = axes[min(i, panels - 1)][0]
-                ax.plot(*zip(*points, strict=True), marker="o" if len(points) < 30 else None, label=key)
-                if panels > 1 and _spans_decades([v for _, v in points]):
-                    ax.set_yscale("log")
-                ax.grid(alpha=0.3)
-                ax.legend(loc="best")
-            axes[-1][0].set_xlabel("step")
-            axes[0][0].set_title(title)
-            fig.tight_layout()
-            path = self.output_dir / name
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            written.append(path)
-        return written
-
-
-def _spans_decades(values: list[float], decades: float = 2.0) -> bool:
-    """Whether a series is all positive and its max/min ratio exceeds 10**decades (then a log axis reads better)."""
-    return bool(values) and min(values) > 0 and max(values) / min(values) > 10**decades
+        """The PNGs of `plots.PLOTS` over the whole history; the paths written."""
+        return write_plots(self.history, self.output_dir)
 
 
 def _duration(seconds: float) -> str:

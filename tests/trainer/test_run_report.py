@@ -10,7 +10,8 @@ from PIL import Image
 from megatron_rl.config import load_config
 from megatron_rl.config.schema import LoggingConfig
 from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.trainer.run_log import RunLog, _spans_decades, run_header
+from megatron_rl.trainer.plots import spans_decades
+from megatron_rl.trainer.run_log import RunLog, run_header
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
 DIMS = ModelDims(
@@ -29,6 +30,7 @@ def test_header_names_the_run_in_a_few_lines() -> None:
     assert "4 layers, hidden 64, 3 MoE layers x 8 experts, top-2" in lines[1]
     assert "loss ppo" in lines[2] and "KL k3 x 0.04" in lines[2] and "routing replay R2" in lines[2]
     assert "8 prompts x 8 samples" in lines[3] and "layout tp=2" in lines[3]
+    assert lines[3].startswith("  rollout sync, local engine")
     assert (
         run_header(cfg, DIMS, Path("/r/checkpoints/step_000000004"), 4)
         .splitlines()[0]
@@ -61,7 +63,7 @@ def test_policy_plot_has_a_panel_per_metric(tmp_path: Path) -> None:
 
 
 def test_log_scale_only_for_positive_series_across_decades() -> None:
-    assert _spans_decades([1e-6, 1e-3])
-    assert not _spans_decades([0.1, 5.0])
-    assert not _spans_decades([-1e-6, 1e-3])  # a sign change has no log axis
-    assert not _spans_decades([])
+    assert spans_decades([1e-6, 1e-3])
+    assert not spans_decades([0.1, 5.0])
+    assert not spans_decades([-1e-6, 1e-3])  # a sign change has no log axis
+    assert not spans_decades([])
