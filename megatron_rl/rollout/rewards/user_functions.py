@@ -4,10 +4,10 @@
 - TRL's, batched (GRPOTrainer's `reward_funcs` contract): ``fn(prompts, completions, **kwargs) -> list[float]``,
   recognised by a parameter named `prompts`, `completions` or `completion_ids` (or only ``**kwargs``). It is called
   with keyword arguments: `prompts` and `completions` as lists, `completion_ids` (the response token ids), every
-  other column of the rows as a list of the same length (`answer`, `data_source`, ...; the templated prompt text is
-  `prompts`, not a column), and the options. For chat data (the row's prompt messages are in
-  `metadata["prompt_messages"]`) a prompt is its message list and a completion is
-  ``[{"role": "assistant", "content": text}]``; for text data both are strings. A function without ``**kwargs``
+  other column of the rows as a list of the same length (`answer`, `data_source`, ...), and the options. For chat
+  data (the loader keeps a row's prompt messages in `metadata["prompt_messages"]`) a prompt is its message list and
+  a completion is ``[{"role": "assistant", "content": text}]``; for text data a prompt is the text the model saw
+  (`metadata["prompt"]`) and a completion the response text. A function without ``**kwargs``
   receives only the arguments it names. It is called once per batch (as TRL does), and `data.reward_timeout_s`
   limits that call. TRL's `trainer_state` is not passed. An entry of None counts as a failure here (TRL skips it).
 """
@@ -30,7 +30,8 @@ NOT_COLUMNS = ("prompt", "prompt_messages")  # metadata keys that are not datase
 
 @dataclass
 class RewardInput:
-    """What one reward call sees of a sample: a light copy (no log-probs, no routes) and its decoded response."""
+    """What one reward call sees of a sample: the sample (in a worker process a copy without its log-probs and routed
+    experts, which rewards never read and cost most to send) and its decoded response."""
 
     sample: Sample
     text: str
