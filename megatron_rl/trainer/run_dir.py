@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from typing import Any
 from megatron_rl.config import to_dict
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import checkpoint_format
+from megatron_rl.trainer.stop_signals import under_torchrun
 
 RUN_FILE = "run.json"
 # Dotted config keys (and the keys under them) that may change between the starts of one run: its length and
@@ -253,15 +255,18 @@ def resume_command(cfg: RLConfig, config_path: str | None, overrides: Sequence[s
     """The command line that continues this run, with trainer.resume=auto: `megatron-rl train` with the same config
     and overrides; under torchrun the torchrun command line that launched this process (its agent is the parent);
     under SLURM, also: resubmit the job (the templates requeue it and resume)."""
-    import shlex
-
     if config_path is None:
         config_path, overrides = str(Path(cfg.trainer.output_dir) / "config.yaml"), ()
     kept = [o for o in overrides if not o.removeprefix("--").startswith(("trainer.resume=", "trainer.overwrite="))]
     extra = ["trainer.resume=auto"] + (["trainer.overwrite=false"] if cfg.trainer.overwrite else [])
     args = ["train", config_path, *kept, *extra]
     launcher = _torchrun_launcher()
-    command = shlex.join([*launcher, "-m", "megatron_rl.cli", *args] if launcher else ["megatron-rl", *args])
+    if launcher is not None:
+        command = shlex.join([*launcher, *args])
+    elif under_torchrun():  # the agent's command line is unreadable: say what to keep
+        command = "torchrun (with this run's options) " + shlex.join(["-m", "megatron_rl.cli", *args])
+    else:
+        command = shlex.join(["megatron-rl", *args])
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         return f"sbatch the same job script again (SLURM job {job}; trainer.resume=auto continues the run) or {command}"
@@ -269,9 +274,10 @@ def resume_command(cfg: RLConfig, config_path: str | None, overrides: Sequence[s
 
 
 def _torchrun_launcher() -> list[str] | None:
-    """Under torchrun: its command line up to the worker's entry point (`torchrun --nproc-per-node 2`), read from
-    this worker's parent, torchrun's agent; None outside torchrun or when the parent's command line is unreadable."""
-    if not (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK")):
+    """Under torchrun: its command line with the CLI as the worker's entry point (`torchrun --nproc-per-node 2 -m
+    megatron_rl.cli`), read from this worker's parent, torchrun's agent; None outside torchrun or when the parent's
+    command line is unreadable."""
+    if not under_torchrun():
         return None
     try:
         raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
@@ -292,7 +298,10 @@ def _torchrun_launcher() -> list[str] | None:
         head = head[1:]  # `python /usr/bin/torchrun ...` is the `torchrun` on PATH: show it as typed
     if head and Path(head[0]).name == "torchrun" and shutil.which("torchrun") == head[0]:
         head = ["torchrun", *head[1:]]
-    return head if head else None
+    if not head:
+        return None
+    no_python = "--no-python" in head or "--no_python" in head  # torchrun runs the entry point as a program
+    return [*head, "megatron-rl"] if no_python else [*head, "-m", "megatron_rl.cli"]
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -259,3 +259,30 @@ def test_the_slurm_templates_torchrun_stops_without_a_traceback(fault_model: Pat
     assert output.splitlines()[-1].startswith("torchrun: stopped by SIGTERM; the workers stopped at a step boundary")
     (line,) = [line for line in output.splitlines() if line.startswith("interrupted at step")]
     assert int(line.split()[3].rstrip(";")) == _step_of(latest(out))
+
+
+def test_resume_command_outside_torchrun_and_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain command drops trainer.resume/overwrite overrides and adds trainer.resume=auto; under SLURM the line
+    says to resubmit the job first; a torchrun worker whose agent cannot be read says to keep torchrun's options."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.run_dir import resume_command
+
+    monkeypatch.chdir(REPO)
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    overrides = ["model.hf_path=/m", "trainer.resume=never", "trainer.overwrite=true", "rollout.n_samples=4"]
+    cfg = load_config("examples/tiny_moe_gspo.yaml", overrides)
+    plain = ("megatron-rl train examples/tiny_moe_gspo.yaml model.hf_path=/m rollout.n_samples=4 trainer.resume=auto "
+             "trainer.overwrite=false")  # fmt: skip
+    assert resume_command(cfg, "examples/tiny_moe_gspo.yaml", overrides) == plain
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert resume_command(cfg, "examples/tiny_moe_gspo.yaml", overrides) == (
+        f"sbatch the same job script again (SLURM job 4242; trainer.resume=auto continues the run) or {plain}"
+    )
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(sys, "argv", ["cli.py", "not", "the", "parent's", "arguments"])
+    assert resume_command(cfg, None) == (
+        "torchrun (with this run's options) -m megatron_rl.cli train runs/tiny_moe_gspo/config.yaml "
+        "trainer.resume=auto trainer.overwrite=false"
+    )
