@@ -49,12 +49,13 @@ def import_plugins(modules: Iterable[str], config_path: str | Path | None = None
 
 
 def check_plugins(cfg: RLConfig) -> None:
-    """Resolve every plugin `cfg` names (the rewards of `data.reward`, `rollout.env` and the tools in
-    `rollout.env_options.tools`, `rollout.generate_fn`): one ConfigError listing each that does not resolve. Run
+    """Resolve every plugin `cfg` names (the rewards of `data.reward`, `rollout.env` with the tools and tool-call
+    format in `rollout.env_options`, `rollout.generate_fn`): one ConfigError listing each that does not resolve. Run
     before anything is built or planned; plugin modules must be imported (`import_plugins`) first."""
     from megatron_rl.rollout.env import get_env, get_generate_fn
     from megatron_rl.rollout.plugins import lookup
     from megatron_rl.rollout.rewards import get_reward
+    from megatron_rl.rollout.tool_calls import TOOL_CALL_FORMATS
     from megatron_rl.rollout.tools import TOOLS
 
     errors: list[str] = []
@@ -73,6 +74,10 @@ def check_plugins(cfg: RLConfig) -> None:
         tools = (cfg.rollout.env_options or {}).get("tools") or ()
         for tool in [tools] if isinstance(tools, str) else tools:
             resolve(f"rollout.env_options.tools: {tool!r}", functools.partial(lookup, tool, TOOLS, "tool"))
+        call_format = (cfg.rollout.env_options or {}).get("tool_call_format")
+        if isinstance(call_format, str):
+            key = f"rollout.env_options.tool_call_format={call_format!r}"
+            resolve(key, functools.partial(lookup, call_format, TOOL_CALL_FORMATS, "tool-call format"))
     if generate_fn is not None:
         resolve(f"rollout.generate_fn={generate_fn!r}", functools.partial(get_generate_fn, generate_fn))
     if len(errors) == 1:

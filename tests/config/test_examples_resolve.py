@@ -43,14 +43,19 @@ def test_example_loads_and_resolves_every_plugin(example: Path) -> None:
 
 def test_unknown_plugins_are_all_named(tmp_path: Path) -> None:
     example = REPO / "examples" / "tiny_moe_tool_gspo.yaml"
-    cfg = load_config(example, ["data.reward=no_such_reward", "rollout.env_options={tools: [calculator, abacus]}"])
+    options = "rollout.env_options={tools: [calculator, abacus], tool_call_format: smoke_signals}"
+    cfg = load_config(example, ["data.reward=no_such_reward", options])
     with pytest.raises(ConfigError) as err:
         check_plugins(cfg)
     lines = str(err.value).splitlines()
     assert lines[0] == "plugins that do not resolve:"
     assert lines[1].startswith("  - data.reward='no_such_reward': unknown reward 'no_such_reward': not one of [")
     assert lines[2].startswith("  - rollout.env_options.tools: 'abacus': unknown tool 'abacus': not one of [")
-    assert len(lines) == 3
+    assert lines[3] == (
+        "  - rollout.env_options.tool_call_format='smoke_signals': unknown tool-call format 'smoke_signals': not one "
+        "of ['compact', 'hermes', 'qwen3'] nor a dotted path"
+    )
+    assert len(lines) == 4
     cfg = load_config(example, ["rollout.generate_fn=nowhere_module:generate", "rollout.env=null"])
     with pytest.raises(ConfigError, match=r"^rollout.generate_fn='nowhere_module:generate': cannot load generate "
                        r"function 'nowhere_module:generate': No module named 'nowhere_module'$"):  # fmt: skip
