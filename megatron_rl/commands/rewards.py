@@ -33,13 +33,17 @@ def run(args: argparse.Namespace) -> int:
             importlib.import_module(module)
         except ImportError as err:
             raise ValueError(f"--plugin {module}: cannot import it ({err})") from err
+    first_name: dict[int, str] = {}  # function -> the first name it was registered under (later ones are aliases)
+    for name in REWARD_FUNCTIONS:
+        first_name.setdefault(id(get_reward(name)), name)
     rows = [("name", "where it runs", "what it scores")]
     for name in sorted(REWARD_FUNCTIONS):
         fn = get_reward(name)
         where = "inline" if name in INLINE_REWARDS else "worker process"
         if name in REQUIRED_MODULES:
             where += f", needs {REQUIRED_MODULES[name]}"
-        rows.append((name, where, summary(fn)))
+        primary = first_name[id(fn)]
+        rows.append((name, where, summary(fn) if primary == name else f"an alias of {primary}"))
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     for name, where, what in rows:
         print(f"{name:<{widths[0]}}  {where:<{widths[1]}}  {what}")

@@ -18,7 +18,8 @@ def test_rewards_lists_every_registered_reward_and_both_signatures() -> None:
     for name in REWARD_FUNCTIONS:
         row = next((line for line in lines if line.startswith(name + " ")), None)
         assert row is not None, f"{name} missing from `megatron-rl rewards`"
-        assert summary(get_reward(name)) in row
+        assert summary(get_reward(name)) in row or name == "math_verify"
+    assert next(line for line in lines if line.startswith("math_verify ")).endswith("an alias of math")
     rows = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
     assert "inline" in rows["synthetic"] and "worker process, needs math_verify" in rows["math"]
     assert "+1.0 if the response's last" in rows["dapo"] and "-1.0 (also with no answer line)" in rows["dapo"]
