@@ -159,14 +159,14 @@ def test_a_hung_reward_is_killed_after_the_timeout(tokenizer) -> None:
     pool = shared_pool(2)
     killed = pool.killed
     reward = RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.5)
-    stats = reward.score(samples, tokenizer, timeout_s=1.0, max_workers=2)
+    stats = reward.score(samples, tokenizer, timeout_s=2.0, max_workers=2)
     assert [s.reward for s in samples] == [2.0, 0.0, 4.0, 1.0]
-    assert (stats.timeouts, stats.errors, stats.first_error) == (1, 0, "timed out after 1 s")
+    assert (stats.timeouts, stats.errors, stats.first_error) == (1, 0, "timed out after 2 s")
     assert pool.killed == killed + 1  # the hung worker was killed; every worker left is alive
     assert pool._idle and all(w.process.poll() is None for w in pool._idle)
     # A timeout counts against the limit like any failure.
-    with pytest.raises(RewardFailureError, match="failed on 1 of 4 .*timed out after 1 s.*data.reward_timeout_s"):
-        RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples, tokenizer, timeout_s=1.0)
+    with pytest.raises(RewardFailureError, match="failed on 1 of 4 .*timed out after 2 s.*data.reward_timeout_s"):
+        RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples, tokenizer, timeout_s=2.0)
 
 
 def test_a_pool_closes_every_worker(tokenizer) -> None:
