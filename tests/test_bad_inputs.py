@@ -517,3 +517,19 @@ def test_missing_optional_dependency_names_the_extra() -> None:
     assert lines[0].endswith("; install it with: pip install 'megatron-rl[data]'")
     assert lines[1].endswith("; install it with: pip install 'megatron-rl[math]'")
     assert lines[2].endswith("; install it with: pip install 'megatron-rl[sglang]'")
+
+
+def test_train_without_math_verify_names_the_extra(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """data.reward=math with math-verify not importable: one line naming `megatron-rl[math]`, exit 2, before the
+    model is built."""
+    argv = ["train", str(EXAMPLE), f"model.hf_path={tiny_moe_dir}", f"trainer.output_dir={tmp_path / 'run'}",
+            "data.reward=math", "warmup.sft_steps=0", "data.eval=null", "data.eval_every=0",
+            "logging.wandb=false"]  # fmt: skip
+    script = "import sys; sys.modules['math_verify'] = None\nfrom megatron_rl.cli import main\n"
+    script += f"sys.exit(main({argv!r}))"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-rl train: error: 'math_verify' is required for the math, dapo and auto rewards")
+    assert last.endswith("; install it with: pip install 'megatron-rl[math]'")
+    assert "megatron-rl train: gspo" not in proc.stdout
