@@ -155,18 +155,33 @@ def test_failure_limit_counts(tokenizer, kinds: list[str], stops: bool) -> None:
 
 
 def test_a_hung_reward_is_killed_after_the_timeout(tokenizer) -> None:
-    samples = _samples(tokenizer, ["ab", "abc", "abcd", "a"], kind=["ok", "hang", "ok", "ok"])
+    # 40 calls: a worker gets several at once, so calls queued behind the hung one must move to another worker.
+    texts = ["a" * (1 + i % 5) for i in range(40)]
+    samples = _samples(tokenizer, texts, kind=["hang" if i == 5 else "ok" for i in range(40)])
     pool = shared_pool(2)
     killed = pool.killed
     reward = RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.5)
     stats = reward.score(samples, tokenizer, timeout_s=2.0, max_workers=2)
-    assert [s.reward for s in samples] == [2.0, 0.0, 4.0, 1.0]
+    assert [s.reward for s in samples] == [0.0 if i == 5 else float(len(t)) for i, t in enumerate(texts)]
     assert (stats.timeouts, stats.errors, stats.first_error) == (1, 0, "timed out after 2 s")
     assert pool.killed == killed + 1  # the hung worker was killed; every worker left is alive
     assert pool._idle and all(w.process.poll() is None for w in pool._idle)
     # A timeout counts against the limit like any failure.
     with pytest.raises(RewardFailureError, match="failed on 1 of 4 .*timed out after 2 s.*data.reward_timeout_s"):
-        RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples, tokenizer, timeout_s=2.0)
+        RewardSet.from_specs([f"{FIXTURES}:marked"], failure_limit=0.1).score(samples[2:6], tokenizer, timeout_s=2.0)
+
+
+def test_a_worker_killed_from_outside_is_replaced(tokenizer) -> None:
+    pool = WorkerPool(1)
+    items = [RewardInput(s, s.metadata["prompt"][-6:]) for s in _samples(tokenizer, ["x"] * 3)]
+    tasks = [RewardTask(reward_fixtures.marked, "sample", {}, [item]) for item in items]
+    assert pool.run(tasks[:1], timeout_s=60) == [[6.0]]
+    (worker,) = pool._alive
+    worker.process.kill()  # e.g. the kernel's out-of-memory killer, while it waits for work
+    worker.process.wait()
+    assert pool.run(tasks, timeout_s=60) == [[6.0]] * 3
+    assert (pool.started, pool.killed) == (2, 1)
+    pool.close()
 
 
 def test_a_pool_closes_every_worker(tokenizer) -> None:

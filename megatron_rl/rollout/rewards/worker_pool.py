@@ -18,11 +18,14 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from megatron_rl.rollout.rewards.user_functions import Failure, Outcome, RewardTask
 
 _START_TIMEOUT_S = 120  # a worker imports the rewards package before it answers "ready"
+_CHUNK = 16  # tasks sent to a worker at once, at most ...
+_CHUNK_BYTES = 32 * 1024  # ... and this many bytes of them (a pipe buffers 64 KiB)
 
 
 class _Worker:
@@ -47,6 +50,15 @@ class _Worker:
         self.receive.close()
 
 
+@dataclass
+class _Busy:
+    """A worker's tasks sent and not answered yet (the first is running) and the running one's deadline."""
+
+    worker: _Worker
+    tasks: deque[int]
+    deadline: float
+
+
 class WorkerPool:
     """Up to `size` worker processes, started on first use and kept for later calls; `run` is serialised."""
 
@@ -60,47 +72,72 @@ class WorkerPool:
         atexit.register(self.close)
 
     def run(self, tasks: list[RewardTask], timeout_s: float) -> list[Outcome]:
-        """Each task's outcome; a task running past `timeout_s` (counted from when its worker got it) is a timed-out
-        Failure and its worker is killed and replaced."""
+        """Each task's outcome; a task running past `timeout_s` (counted from when its worker began it) is a
+        timed-out Failure and its worker is killed and replaced.
+
+        A worker gets a few small tasks at once (up to `_CHUNK` and `_CHUNK_BYTES`: below a pipe's buffer, so
+        sending never blocks on a worker that hangs) and answers each as it finishes; the next one's deadline starts
+        with that answer. Tasks queued behind a killed one go to other workers.
+        """
         with self._lock:
             outcomes: list[Outcome | None] = [None] * len(tasks)
             todo = deque(range(len(tasks)))
-            busy: dict[Connection, tuple[_Worker, int, float]] = {}  # receive end -> (worker, task, deadline)
+            busy: dict[Connection, _Busy] = {}  # receive end -> what its worker holds
             while todo or busy:
-                self._ensure_idle(min(self.size, len(todo) + len(busy)) - len(busy))
+                self._ensure_idle(min(self.size - len(busy), len(todo)))
                 while todo and self._idle:
-                    worker, i = self._idle.pop(), todo.popleft()
-                    try:
-                        payload = pickle.dumps(tasks[i])
-                    except Exception as err:  # noqa: BLE001 - options or metadata that cannot be pickled
-                        outcomes[i] = Failure(f"cannot send the call to a reward worker: {type(err).__name__}: {err}")
+                    worker, sent = self._idle.pop(), deque[int]()
+                    size, limit = 0, min(_CHUNK, max(1, len(todo) // (2 * self.size)))
+                    while todo and len(sent) < limit and (not sent or size < _CHUNK_BYTES):
+                        i = todo.popleft()
+                        try:
+                            payload = pickle.dumps(tasks[i])
+                        except Exception as err:  # noqa: BLE001 - options or metadata that cannot be pickled
+                            outcomes[i] = Failure(f"cannot send the call to a worker: {type(err).__name__}: {err}")
+                            continue
+                        if sent and size + len(payload) > _CHUNK_BYTES:
+                            todo.appendleft(i)
+                            break
+                        try:
+                            worker.send.send_bytes(payload)
+                        except OSError:  # the idle worker died (killed from outside): others take its tasks
+                            todo.extendleft(reversed([*sent, i]))
+                            self._kill(worker)
+                            sent.clear()
+                            break
+                        sent.append(i)
+                        size += len(payload)
+                    if sent:
+                        busy[worker.receive] = _Busy(worker, sent, time.monotonic() + timeout_s)
+                    elif worker in self._alive:
                         self._idle.append(worker)
-                        continue
-                    try:
-                        worker.send.send_bytes(payload)
-                    except OSError:  # the idle worker died (killed from outside): another one takes the task
-                        self._kill(worker)
-                        todo.appendleft(i)
-                        continue
-                    busy[worker.receive] = (worker, i, time.monotonic() + timeout_s)
                 if not busy:
                     continue
-                next_deadline = min(deadline for _, _, deadline in busy.values())
+                next_deadline = min(b.deadline for b in busy.values())
                 for conn in wait(list(busy), timeout=max(next_deadline - time.monotonic(), 0.0)):
-                    worker, i, _ = busy.pop(conn)  # type: ignore[call-overload]
+                    held = busy[conn]  # type: ignore[index]
+                    i = held.tasks.popleft()
                     try:
-                        outcomes[i] = worker.receive.recv()
-                        self._idle.append(worker)
+                        outcomes[i] = held.worker.receive.recv()
                     except (EOFError, OSError):
-                        outcomes[i] = Failure(f"the reward worker died (exit code {worker.process.poll()})")
-                        self._kill(worker)
+                        outcomes[i] = Failure(f"the reward worker died (exit code {held.worker.process.poll()})")
+                        self._release(busy, held, todo)
+                        continue
+                    held.deadline = time.monotonic() + timeout_s
+                    if not held.tasks:
+                        del busy[conn]  # type: ignore[arg-type]
+                        self._idle.append(held.worker)
                 now = time.monotonic()
-                for conn, (worker, i, deadline) in list(busy.items()):
-                    if now >= deadline:
-                        del busy[conn]
-                        self._kill(worker)
-                        outcomes[i] = Failure(f"timed out after {timeout_s:g} s", timed_out=True)
+                for held in [b for b in busy.values() if now >= b.deadline]:
+                    outcomes[held.tasks.popleft()] = Failure(f"timed out after {timeout_s:g} s", timed_out=True)
+                    self._release(busy, held, todo)
             return [o if o is not None else Failure("no outcome") for o in outcomes]
+
+    def _release(self, busy: dict[Connection, _Busy], held: _Busy, todo: deque[int]) -> None:
+        """Kill a worker whose current task failed; the tasks queued behind it go back to the front of `todo`."""
+        del busy[held.worker.receive]
+        todo.extendleft(reversed(held.tasks))
+        self._kill(held.worker)
 
     def _ensure_idle(self, wanted: int) -> None:
         """Start workers (all at once, then wait for each to be ready) until `wanted` are idle."""
