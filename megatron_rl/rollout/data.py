@@ -18,23 +18,33 @@ class PromptData:
         self.tokenizer = tokenizer
         self.reward_fn = build_reward(cfg.data)  # a RewardSet: the weighted rewards, timeouts, failure limit
         self.task = None
-        self.train_iter = None
+        self.train_iter: Any = None  # a PromptIterator (one dataset) or a Mixture of them (data.train: [...])
+        self.train_prompts: list[Any] = []  # every dataset's prompts, in data.train's order
         self.generate = _generate_batch(cfg, tokenizer)
-        if cfg.data.train in SYNTHETIC_TASKS:
-            self.task = _synthetic(self)
+        sources = cfg.data.train_sources()
+        if len(sources) > 1 and any(s.path in SYNTHETIC_TASKS for s in sources):
+            raise ValueError(
+                "data.train mixes a built-in task with data files: a built-in task trains alone (e.g. "
+                "data.train=synthetic); list only files in a mixture"
+            )
+        if sources[0].path in SYNTHETIC_TASKS:
+            self.task = _synthetic(self, sources[0].path)
             self.stream = self.task.stream()
         else:
-            from megatron_rl.rollout.prompts import PromptIterator, load_prompts
+            from megatron_rl.data.mixture import Mixture
+            from megatron_rl.rollout.prompts import PromptIterator
 
-            prompts = load_prompts(
-                cfg.data.train,
-                tokenizer,
-                prompt_key=cfg.data.prompt_key,
-                answer_key=cfg.data.answer_key,
-                apply_chat_template=cfg.data.apply_chat_template,
-            )
-            self.train_iter = PromptIterator(prompts, seed=cfg.trainer.seed)
+            # Dataset k draws its epochs with seed + k; one dataset keeps the plain iterator (and its state format).
+            datasets = [self._load_prompts(s.path) for s in sources]
+            iterators = [PromptIterator(p, seed=cfg.trainer.seed + k) for k, p in enumerate(datasets)]
+            self.train_prompts = [p for d in datasets for p in d]
+            weights = [s.weight for s in sources]
+            mixture = len(iterators) > 1
+            self.train_iter = Mixture(iterators, weights, seed=cfg.trainer.seed) if mixture else iterators[0]
             self.stream = self.train_iter
+        self._eval: list[Any] | None = None
+        if cfg.data.eval and cfg.data.eval not in SYNTHETIC_TASKS:
+            self._eval = self._load_prompts(cfg.data.eval)
         data_sources = getattr(self, "data_sources", None)  # `auto` refuses rows it cannot route, at start-up
         if data_sources is not None and self.reward_fn.routes_by_data_source:
             self.reward_fn.check_data_sources(data_sources())
@@ -76,17 +86,34 @@ class PromptData:
             if task is None or self.cfg.data.eval != self.cfg.data.train:
                 task = _synthetic(self, self.cfg.data.eval)
             return task.eval_prompts(n)
+        if self._eval is None:
+            raise ValueError("data.eval is not set: no evaluation prompts")
+        return self._eval[:n]
+
+    def _load_prompts(self, path: str) -> list[Any]:
         from megatron_rl.rollout.prompts import load_prompts
 
-        if not self.cfg.data.eval:
-            raise ValueError("data.eval is not set: no evaluation prompts")
+        data = self.cfg.data
         return load_prompts(
-            self.cfg.data.eval,
+            path,
             self.tokenizer,
-            prompt_key=self.cfg.data.prompt_key,
-            answer_key=self.cfg.data.answer_key,
-            apply_chat_template=self.cfg.data.apply_chat_template,
-        )[:n]
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            apply_chat_template=data.apply_chat_template,
+        )
+
+    def _file_prompts(self) -> list[Any]:
+        """The training and evaluation prompts read from files (none for the built-in tasks)."""
+        return self.train_prompts + (self._eval or [])
+
+    def data_sources(self) -> set[str]:
+        """The distinct `data_source` values of the training and evaluation rows (rows without one add nothing)."""
+        return {str(p.metadata["data_source"]) for p in self._file_prompts() if p.metadata.get("data_source")}
+
+    def longest_prompt(self) -> tuple[int, str]:
+        """The most tokens of any training or evaluation prompt and where it is (`"train.parquet row 17"`);
+        (0, "") for the built-in tasks."""
+        return max(((len(p.token_ids), p.origin) for p in self._file_prompts()), key=lambda t: t[0], default=(0, ""))
 
     def sft_pairs(self, n: int, *, start: int):
         """Examples `start` .. `start + n - 1` of the warm-up's stream (`warmup.data`, default `data.train`)."""
@@ -120,7 +147,7 @@ def _synthetic(data: PromptData, name: str | None = None):
     """The built-in task `name` (default: `data.train`)."""
     from megatron_rl.rollout.plugins import load_dotted
 
-    task_class = load_dotted(SYNTHETIC_TASKS[name or data.cfg.data.train], "synthetic task")
+    task_class = load_dotted(SYNTHETIC_TASKS[name or data.cfg.data.train_sources()[0].path], "synthetic task")
     return task_class(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)
 
 

@@ -1,4 +1,5 @@
-"""Prompt datasets (JSONL, Parquet) and the endless, seeded, resumable prompt iterator the trainer draws from."""
+"""Prompts from the user's data files (see megatron_rl.data: JSONL, Parquet, Arrow, `datasets` folders; dotted keys;
+text or chat messages) and the endless, seeded, resumable prompt iterator the trainer draws from."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.jsonl import read_jsonl, require_keys
+from megatron_rl.data.readers import read_parquet, read_rows
+from megatron_rl.data.rows import answer_text, prompt_field, require_field
 
 logger = logging.getLogger(__name__)
+
+ANSWER_HINT = "set data.answer_key to the column of the reference answer, or to null if the rows have none"
 
 
 @dataclass(frozen=True)
@@ -22,31 +26,35 @@ class Prompt:
     token_ids: list[int]
     answer: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    origin: str = field(default="", compare=False)  # the file and row it came from: "train.parquet row 17"
 
 
 def load_prompts(
     path: str | Path,
-    tokenizer,
+    tokenizer: Any,
     *,
     prompt_key: str = "prompt",
     answer_key: str | None = "answer",
     apply_chat_template: bool = False,
     max_prompt_tokens: int | None = None,
 ) -> list[Prompt]:
-    """Read prompts from a `.jsonl` or `.parquet` file.
+    """Read prompts from a data file or folder (`megatron_rl.data.readers.read_rows`).
 
-    `prompt_key` holds a string or a list of chat messages (`[{"role", "content"}]`; needs
-    `apply_chat_template`). With `apply_chat_template` a string becomes one user message and the tokenizer's
-    template is applied with `add_generation_prompt=True`. `answer_key` (None: no answer) is read as a string.
-    The row's other fields go to `Prompt.metadata`. Prompts longer than `max_prompt_tokens` are dropped (logged).
+    `prompt_key` (dotted for nested columns) holds text or chat messages (`[{"role", "content"}]`, which need
+    `apply_chat_template`); a row without it but with a `messages` column is prompted with those messages
+    (`megatron_rl.data.rows.prompt_field`). With `apply_chat_template` a text becomes one user message and the
+    tokenizer's template is applied with `add_generation_prompt=True`. `answer_key` (None: no answer) becomes
+    `Prompt.answer` as text (`rows.answer_text`). Every other column goes to `Prompt.metadata` as it is (a dotted
+    answer key leaves its column there too). Prompts longer than `max_prompt_tokens` are dropped (logged).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"prompt file {path} not found")
-    rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path)
+    if apply_chat_template:
+        check_chat_template(tokenizer)
     prompts, too_long = [], 0
-    for line, row in rows:
-        prompt = _to_prompt(row, line, path, tokenizer, prompt_key, answer_key, apply_chat_template)
+    for where, row in read_rows(path):
+        prompt = _to_prompt(row, where, tokenizer, prompt_key, answer_key, apply_chat_template)
         if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
             too_long += 1
             continue
@@ -58,40 +66,46 @@ def load_prompts(
     return prompts
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise ImportError(
-            f"reading {path} needs pyarrow, which is not installed: pip install 'megatron-rl[data]' (or pyarrow)"
-        ) from err
-    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+def check_chat_template(tokenizer: Any) -> None:
+    """ValueError naming `data.apply_chat_template=false` when `tokenizer` has no chat template to apply."""
+    if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError(
+            "the tokenizer has no chat template, so data.apply_chat_template=true cannot format the prompts: set "
+            "data.apply_chat_template=false to give the model each prompt's text as it is (rows of chat messages "
+            "are then refused), or use a tokenizer with a chat template (model.tokenizer_path)"
+        )
+
+
+def _read_parquet(path: str | Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """(row number, row) of a Parquet file."""
+    for number, (_, row) in enumerate(read_parquet(Path(path)), start=1):
+        yield number, row
 
 
 def _to_prompt(
     row: Mapping[str, Any],
-    line: int,
-    path: Path,
-    tokenizer,
+    where: str,
+    tokenizer: Any,
     prompt_key: str,
     answer_key: str | None,
     apply_chat_template: bool,
 ) -> Prompt:
-    where = f"{path}:{line}" if path.suffix != ".parquet" else f"{path} row {line}"
-    require_keys(row, tuple(k for k in (prompt_key, answer_key) if k is not None), where)
-    value = row[prompt_key]
+    column, value = prompt_field(row, prompt_key, where)
+    answer = None if answer_key is None else answer_text(require_field(row, answer_key, where, ANSWER_HINT))
     if apply_chat_template:
-        messages = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+        messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     elif isinstance(value, str):
         text = value
     else:
-        raise ValueError(f"{where}: {prompt_key!r} is a {type(value).__name__}; chat messages need apply_chat_template")
+        raise ValueError(
+            f"{where}: {column!r} holds chat messages, which need the tokenizer's chat template: set "
+            "data.apply_chat_template=true (with a tokenizer that has one), or give the prompt as text"
+        )
     # A chat template writes its own special tokens; plain text gets the tokenizer's (e.g. BOS, if it has one).
     token_ids = list(tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"])
-    answer = None if answer_key is None or row[answer_key] is None else str(row[answer_key])
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return Prompt(text=text, token_ids=token_ids, answer=answer, metadata=metadata)
+    metadata = {k: v for k, v in row.items() if k not in (column, answer_key)}
+    return Prompt(text=text, token_ids=token_ids, answer=answer, metadata=metadata, origin=where)
 
 
 class PromptIterator:
@@ -137,8 +151,13 @@ class PromptIterator:
             "num_prompts": len(self.prompts),
         }
 
-    def load_state_dict(self, state: Mapping[str, int | bool]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state`; the dataset size, seed and shuffle must match (else ValueError)."""
+        if "sources" in state:
+            raise ValueError(
+                f"the checkpoint's prompt position is of a mixture of {len(state['sources'])} datasets, but data.train "
+                "is now one: resume with the checkpoint's data.train"
+            )
         mine = self.state_dict()
         for key in ("num_prompts", "seed", "shuffle"):
             if state[key] != mine[key]:

@@ -33,7 +33,8 @@ def test_chat_template(tmp_path: Path, tokenizer):
     assert prompts[0].token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")  # one special token
     assert len(prompts[0].token_ids) == 1 + 4 + 1 + 2 + 1 + 1 + 1 + 9 + 1  # specials are single tokens
     assert prompts[1].text.startswith("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n")
-    with pytest.raises(ValueError, match=r"c.jsonl:2: 'prompt' is a list; chat messages need apply_chat_template"):
+    needs_template = r"c.jsonl:2: 'prompt' holds chat messages, which need the tokenizer's chat template: set data\."
+    with pytest.raises(ValueError, match=needs_template + "apply_chat_template=true"):
         load_prompts(tmp_path / "c.jsonl", tokenizer)
 
 
