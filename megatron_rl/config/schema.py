@@ -317,12 +317,13 @@ class DataConfig:
     prompt_key: str = setting(
         "prompt",
         help="column holding the prompt: text or chat messages [{role, content}]; dotted for nested columns "
-        "(docs/your_task.md lists verl's, slime's and TRL's layouts)",
+        "(docs/datasets.md lists verl's, slime's, TRL's and the math datasets' layouts)",
     )
-    answer_key: str = setting(
+    answer_key: str | None = setting(
         "answer",
-        help="column holding the reference answer passed to the reward as metadata['answer']; dotted for nested "
-        "columns, e.g. reward_model.ground_truth (verl)",
+        help="column holding the reference answer passed to the reward as metadata['answer'] (text; lists and "
+        "dicts as JSON); dotted for nested columns, e.g. reward_model.ground_truth (verl); null = the rows have no "
+        "answer (e.g. TRL's prompt-only data with a reward that needs none)",
     )
     apply_chat_template: bool = setting(True, help="wrap prompts with the tokenizer's chat template")
     reward: str | tuple[RewardSpec, ...] = setting(

@@ -229,7 +229,7 @@ class RewardSet:
 def build_reward(data: DataConfig) -> RewardSet:
     """The run's reward from its `data` section: `data.reward` (a name or weighted list), the failure limit."""
     return RewardSet.from_specs(
-        data.reward_specs(), failure_limit=data.reward_failure_limit, answer_column=data.answer_key
+        data.reward_specs(), failure_limit=data.reward_failure_limit, answer_column=data.answer_key or ""
     )
 
 
