@@ -304,10 +304,10 @@ def test_prompt_file_errors_name_file_and_line(tmp_path: Path) -> None:
          "(config.json, *.safetensors, tokenizer)"),
         ("model.tokenizer_path=/nonexistent/tok", "model.tokenizer_path='/nonexistent/tok' is not a directory: set it "
          "to the tokenizer's directory (tokenizer.json, tokenizer_config.json) or to null to use model.hf_path's"),
-        ("data.train=/nonexistent/train.jsonl", "data.train='/nonexistent/train.jsonl': no such file; give a JSONL or "
-         "Parquet prompt file, or a built-in task ('synthetic', 'synthetic_tool')"),
-        ("data.eval={tmp}/eval.jsonl", "data.eval='{tmp}/eval.jsonl': no such file; give a JSONL or Parquet prompt "
-         "file, or a built-in task ('synthetic', 'synthetic_tool')"),
+        ("data.train=/nonexistent/train.jsonl", "data.train='/nonexistent/train.jsonl': no such file or folder; give "
+         "a JSONL / Parquet / .arrow file or a `datasets` folder, or a built-in task ('synthetic', 'synthetic_tool')"),
+        ("data.eval={tmp}/eval.jsonl", "data.eval='{tmp}/eval.jsonl': no such file or folder; give a JSONL / Parquet "
+         "/ .arrow file or a `datasets` folder, or a built-in task ('synthetic', 'synthetic_tool')"),
     ],
 )  # fmt: skip
 def test_config_paths_are_checked_before_anything_is_built(
