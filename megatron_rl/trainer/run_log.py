@@ -13,12 +13,11 @@ from typing import Any
 
 from megatron_rl.config.schema import LoggingConfig, RLConfig
 from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.trainer.plots import PLOTS, write_plots
+from megatron_rl.trainer.plots import write_plots
 from megatron_rl.trainer.sample_log import SampleLog, wandb_table
 
-__all__ = ["PLOTS", "RunLog", "restore_history", "run_header"]
-
 logger = logging.getLogger(__name__)
+
 
 def restore_history(path: Path, first_step: int) -> list[dict[str, float]]:
     """Cut `metrics.jsonl` back to the rows before `first_step` (the first step this start logs) and return them.
@@ -191,7 +190,7 @@ class RunLog:
         return self.plot() if self.cfg.plot else []
 
     def plot(self) -> list[Path]:
-        """The PNGs of `plots.PLOTS` over the whole history; the paths written."""
+        """The PNGs of `plots.PLOTS` over the whole history (earlier starts' steps included); the paths written."""
         return write_plots(self.history, self.output_dir)
 
 

@@ -37,8 +37,8 @@ def pick_samples(group_indices: Sequence[int], n: int) -> list[int]:
     return picked[:n]
 
 
-def _common(sample: Any, tokenizer: Any) -> dict[str, Any]:
-    """The keys training and evaluation rows share."""
+def _common(sample: Any, tokenizer: Any, advantage: float | None = None) -> dict[str, Any]:
+    """The keys training and evaluation rows share (and a training row's advantage, after the rewards)."""
     metadata = sample.metadata
     if "prompt" in metadata:
         prompt = metadata["prompt"]
@@ -50,9 +50,10 @@ def _common(sample: Any, tokenizer: Any) -> dict[str, Any]:
         "response": tokenizer.decode(sample.response_ids, skip_special_tokens=True),  # what the reward read
         "reward": None if sample.reward is None else float(sample.reward),
         **{f"reward/{name}": float(value) for name, value in parts.items()},
-        "answer": metadata.get("answer"),
-        "finish_reason": sample.finish_reason,
+        **({} if advantage is None else {"advantage": float(advantage)}),
         "length": len(sample.response_ids),
+        "finish_reason": sample.finish_reason,
+        "answer": metadata.get("answer"),
         "data_source": metadata.get("data_source"),
     }
 
@@ -62,12 +63,9 @@ def sample_rows(
 ) -> list[dict[str, Any]]:
     """Rows of samples.jsonl for the samples `picks` of step `step`; `advantages[i]` is sample i's advantage (a
     sequence-level estimator gives every token of a sample the same one)."""
-    rows = []
-    for i in picks:
-        s = samples[i]
-        row = {"step": step, "group": s.group_index, **_common(s, tokenizer), "advantage": float(advantages[i])}
-        rows.append(row)
-    return rows
+    return [
+        {"step": step, "group": samples[i].group_index, **_common(samples[i], tokenizer, advantages[i])} for i in picks
+    ]
 
 
 def eval_rows(step: int, samples: Sequence[Any], tokenizer: Any, dataset: str) -> list[dict[str, Any]]:
