@@ -167,7 +167,7 @@ class SampleLog:
         tables = self._pending.pop(step, {})
         for name, rows in tables.items():
             with self.paths[name].open("a") as f:
-                f.write("".join(json.dumps(row) + "\n" for row in rows))
+                f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))  # a column of odd type: text
         shown = self._shown.pop(step, [])
         return tables, format_samples(shown) if shown else ""
 

@@ -31,6 +31,8 @@ def test_header_names_the_run_in_a_few_lines() -> None:
     assert "loss ppo" in lines[2] and "KL k3 x 0.04" in lines[2] and "routing replay R2" in lines[2]
     assert "8 prompts x 8 samples" in lines[3] and "layout tp=2" in lines[3]
     assert lines[3].startswith("  rollout sync, local engine")
+    async_cfg = load_config(EXAMPLE, ["trainer.mode=async", "trainer.max_staleness=2"])
+    assert run_header(async_cfg, DIMS, None, 0).splitlines()[3].startswith("  rollout async (max staleness 2), local")
     assert (
         run_header(cfg, DIMS, Path("/r/checkpoints/step_000000004"), 4)
         .splitlines()[0]
@@ -67,3 +69,11 @@ def test_log_scale_only_for_positive_series_across_decades() -> None:
     assert not spans_decades([0.1, 5.0])
     assert not spans_decades([-1e-6, 1e-3])  # a sign change has no log axis
     assert not spans_decades([])
+
+
+def test_step_line_shows_the_kl_to_the_reference_when_there_is_one(tmp_path: Path) -> None:
+    log = RunLog(LoggingConfig(wandb=False, tensorboard=False), tmp_path, 5, {})
+    line = log.format_line(1, {"rollout/reward_mean": 0.5, "actor/kl_ref": 1.27e-4, "time/step": 1.0})
+    assert "reward 0.500 | kl_ref 1.27e-04 | s/step 1.0" in line
+    assert "kl_ref" not in log.format_line(1, {"rollout/reward_mean": 0.5})  # algo.kl_coef = 0: no such metric
+    log.close()
