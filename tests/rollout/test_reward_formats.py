@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
+from megatron_rl.config.loader import load_config
 from megatron_rl.optional_deps import MissingOptionalDependency
+from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.rewards import (
     RewardSet,
     auto,
@@ -154,3 +158,20 @@ def test_math_answer_reads_a_gsm8k_reference() -> None:
         assert _score(math_answer, text, "3 + 4 = 7\n#### 7") == 1.0
     assert _score(math_answer, "#### 8", "3 + 4 = 7\n#### 7") == 0.0
     assert _score(math_answer, "#### 1,000", NATALIA.replace("72", "1000")) == 1.0
+
+
+def test_auto_refuses_the_runs_unknown_sources_at_start_up(tmp_path: Path, tokenizer) -> None:
+    rows = [
+        {"question": "1 + 1?", "answer": "#### 2", "data_source": "openai/gsm8k"},
+        {"question": "x?", "answer": "3", "data_source": "my/data"},
+    ]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def prompt_data(*overrides: str) -> PromptData:
+        keys = ["model.hf_path=unused", f"data.train={train}", "data.prompt_key=question", *overrides]
+        return PromptData(load_config(overrides=keys), tokenizer)
+
+    with pytest.raises(ValueError, match="data.reward=auto does not know data_source 'my/data'"):
+        prompt_data("data.reward=auto")
+    assert prompt_data("data.reward=gsm8k").reward_fn.parts[0].name == "gsm8k"  # other rewards do not ask
