@@ -4,6 +4,7 @@ the failure limit."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +183,16 @@ def test_a_worker_killed_from_outside_is_replaced(tokenizer) -> None:
     assert pool.run(tasks, timeout_s=60) == [[6.0]] * 3
     assert (pool.started, pool.killed) == (2, 1)
     pool.close()
+
+
+def test_workers_follow_a_changed_import_path(tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward module in a folder put on sys.path after the pool started (a second run's config folder)."""
+    compute_rewards(_samples(tokenizer, ["a"]), f"{FIXTURES}:marked", tokenizer)  # the pool's workers are up
+    (tmp_path / "late_rewards.py").write_text("def three(sample, text, metadata):\n    return 3.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    samples = _samples(tokenizer, ["a", "b"])
+    stats = compute_rewards(samples, "late_rewards:three", tokenizer, failure_limit=0.0)
+    assert [s.reward for s in samples] == [3.0, 3.0] and stats.errors == 0
 
 
 def test_a_pool_closes_every_worker(tokenizer) -> None:

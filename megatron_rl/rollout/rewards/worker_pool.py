@@ -66,6 +66,7 @@ class WorkerPool:
         self.size = size
         self._idle: list[_Worker] = []
         self._alive: set[_Worker] = set()  # every worker not yet killed, idle or busy
+        self._sys_path = list(sys.path)  # the import path the workers were started with
         self._lock = threading.Lock()
         self.started = 0  # workers started so far (replacements included)
         self.killed = 0  # workers killed: a call past its deadline, a worker that died, `close`
@@ -80,6 +81,9 @@ class WorkerPool:
         with that answer. Tasks queued behind a killed one go to other workers.
         """
         with self._lock:
+            if sys.path != self._sys_path:  # e.g. a second run's plugin folder: workers import with the new path
+                self.close()
+                self._sys_path = list(sys.path)
             outcomes: list[Outcome | None] = [None] * len(tasks)
             todo = deque(range(len(tasks)))
             busy: dict[Connection, _Busy] = {}  # receive end -> what its worker holds
