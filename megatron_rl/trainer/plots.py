@@ -62,7 +62,7 @@ def figure(name: str, title: str, series: dict[str, list[tuple[float, float]]]) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     panels = 1 if name == "reward.png" else len(series)
     fig, axes = plt.subplots(panels, 1, figsize=(7, 2.2 + 1.8 * panels), sharex=True, squeeze=False)
@@ -76,6 +76,9 @@ def figure(name: str, title: str, series: dict[str, list[tuple[float, float]]]) 
             formatter = ScalarFormatter(useOffset=False)
             formatter.set_powerlimits((-3, 4))  # 1e-7 as "1e-7" above the axis, never "+1.0002"
             ax.yaxis.set_major_formatter(formatter)
+        if key in NON_NEGATIVE:  # from 0; an all-zero series gets the healthy range's height, not matplotlib's +-0.05
+            ax.set_ylim(0.0, ax.get_ylim()[1] if max(values) > 0 else HEALTHY_BELOW.get(key, 1.0))
+            ax.lines[-1].set_clip_on(False)  # the markers at 0 are drawn whole
         if key in HEALTHY_BELOW:
             bottom, top = ax.get_ylim()
             low = bottom if ax.get_yscale() == "log" else 0.0
@@ -87,6 +90,7 @@ def figure(name: str, title: str, series: dict[str, list[tuple[float, float]]]) 
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     axes[-1][0].set_xlabel("step")
+    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, not 1.25
     axes[0][0].set_title(title)
     fig.tight_layout()
     return fig

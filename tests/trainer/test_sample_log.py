@@ -290,6 +290,9 @@ def test_mismatch_plot_has_no_axis_offset_and_a_healthy_band() -> None:
         formatter = ax.yaxis.get_major_formatter()
         assert formatter.get_useOffset() is False and formatter.offset == 0  # matplotlib would offset 1.00002e-3
         assert len(ax.patches) == 1  # the shaded healthy range
-    assert min(k3_ax.lines[0].get_ydata()) == 0.0 and k3_ax.get_ylim()[0] <= 0.0
+    assert min(k3_ax.lines[0].get_ydata()) == 0.0 and k3_ax.get_ylim()[0] == 0.0  # no negative half-axis
     assert ">= 0" in k3_ax.get_ylabel()
     assert diff_ax.get_ylim()[1] < 1.1e-3  # the band (up to 1e-2) does not rescale the axis: the data decides
+    zeros = [{"step": s, "mismatch/k3_kl": 0.0} for s in range(1, 4)]  # CPU fp32: the engine is the trainer
+    (k3_ax,) = figure("mismatch.png", "mismatch", series_of(zeros, ("mismatch/k3_kl",))).axes
+    assert k3_ax.get_ylim() == (0.0, 1e-3)  # the healthy range's height, not matplotlib's +-0.05 around 0
