@@ -464,23 +464,24 @@ def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: 
     from megatron_rl.trainer.input_guards import InputMismatchError, check_positions
 
     prompts = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "1 2", "answer": "2 1"}, {"prompt": " ".join("7" * 200), "answer": "7"}]
+    rows = [{"prompt": "1 2", "answer": "2 1"}, {"prompt": "7" * 150, "answer": "7"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(EXAMPLE, [f"model.hf_path={tiny_moe_dir}", f"data.train={prompts}", "data.eval=null",
                                 "data.eval_every=0", "data.reward=exact_match", "warmup.sft_steps=0",
-                                "rollout.sampling.max_new_tokens=64"])  # fmt: skip
-    tokenizer = _tokenizer(tiny_moe_dir)
-    data = PromptData(cfg, tokenizer)
+                                "rollout.sampling.max_new_tokens=128"])  # fmt: skip
+    data = PromptData(cfg, _tokenizer(tiny_moe_dir))
     length, where = data.longest_prompt()
-    assert length > 192 and "line 2" in where
+    assert 150 <= length < 200 and where == f"{prompts}:2"
     with pytest.raises(InputMismatchError) as err:
         check_positions(cfg, data, 256)
     assert str(err.value) == (
-        f"the longest prompt ({length} tokens, {where}) plus rollout.sampling.max_new_tokens=64 is {length + 64} "
+        f"the longest prompt ({length} tokens, {where}) plus rollout.sampling.max_new_tokens=128 is {length + 128} "
         f"tokens, more than the model's 256 positions: use shorter prompts or a lower rollout.sampling."
         f"max_new_tokens (at most {256 - length})"
     )
-    check_positions(cfg, data, length + 64)  # exactly fits
+    check_positions(cfg, data, length + 128)  # exactly fits
+    with pytest.raises(InputMismatchError, match=r"positions: use prompts shorter than 128 tokens$"):
+        check_positions(cfg, data, 128)
 
 
 def test_multi_turn_positions_are_bounded_by_turns_max_tokens(tiny_moe_dir: Path) -> None:

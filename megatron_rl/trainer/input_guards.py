@@ -80,10 +80,14 @@ def check_positions(cfg: RLConfig, data: Any, max_positions: int) -> None:
     length, where = longest() if longest is not None else (0, "")
     max_new = rollout.sampling.max_new_tokens
     if length + max_new > max_positions:
+        room = max_positions - length
+        lower = f"a lower rollout.sampling.max_new_tokens (at most {room})"
+        if not length:
+            fix = lower
+        else:
+            fix = f"shorter prompts or {lower}" if room > 0 else f"prompts shorter than {max_positions} tokens"
         prompt = f"the longest prompt ({length} tokens, {where}) plus " if length else ""
-        fix = "shorter prompts or a lower" if length else "a lower"
         raise InputMismatchError(
             f"{prompt}rollout.sampling.max_new_tokens={max_new} is {length + max_new} tokens, more than the "
-            f"model's {max_positions} positions: use {fix} rollout.sampling.max_new_tokens (at most "
-            f"{max(max_positions - length, 0)})"
+            f"model's {max_positions} positions: use {fix}"
         )
