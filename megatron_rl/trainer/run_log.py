@@ -151,7 +151,8 @@ class RunLog:
             logged: dict[str, Any] = dict(metrics)
             for name, rows in (tables or {}).items():
                 columns, data = wandb_table(rows)
-                logged[name] = wandb.Table(columns=columns, data=data)
+                # mixed types allowed: a column (an answer, a data_source) may hold text in one row, a number in another
+                logged[name] = wandb.Table(columns=columns, data=data, allow_mixed_types=True)
             self._wandb.log(logged, step=step)
         if self._tb is not None:
             for key, value in metrics.items():

@@ -258,6 +258,7 @@ def test_wandb_tables_of_an_offline_run(tmp_path: Path, tokenizer, monkeypatch: 
     batch = [_sample(tokenizer, f"{i}{i}", i // 2, prompt=f"p{i}", answer=str(i), data_source="d") for i in range(4)]
     for s in batch:
         s.reward_parts = {"exact_match": 1.0}
+    batch[2].metadata["answer"] = 2  # a column of text and numbers (as a user's rows may have)
     samples.add_step(1, batch, [0.5, -0.5, 1.0, -1.0])
     samples.add_eval(1, batch[:2], "held_out")
     log.log(1, {"rollout/reward_mean": 1.5})
