@@ -206,6 +206,16 @@ def test_rows_decode_the_response_as_the_reward_reads_it(tokenizer) -> None:
     assert row["prompt"] == tokenizer.decode([5, 6, 7]) and row["finish_reason"] == "length" and row["length"] == 1
 
 
+def test_a_trajectory_row_holds_its_observations(tokenizer) -> None:
+    """Multi-turn: the response is every response token decoded, the environment's (untrained) observations too."""
+    turn, observation, answer = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("2+2=", "[4]", "4"))
+    ids = turn + observation + answer + [tokenizer.eos_token_id]
+    mask = [1] * len(turn) + [0] * len(observation) + [1, 1]
+    s = Sample([5], ids, [0.0] * len(ids), "stop", "v0", reward=1.0, loss_mask=mask, metadata={"prompt": "q"})
+    (row,) = sample_rows(1, [s], [1.0], tokenizer, [0])
+    assert row["response"] == "2+2=[4]4" and row["length"] == len(ids)
+
+
 def test_cut_back_keeps_rows_before_the_first_step(tmp_path: Path) -> None:
     path = tmp_path / "samples.jsonl"
     steps = [0, 0, 1, 1, 2, 2, 3]
