@@ -260,9 +260,20 @@ def _check_rollout(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
 def _check_data(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
     data = cfg.data
     if data.eval_every > 0 and data.eval is None:
-        errors.append(f"data.eval_every={data.eval_every} but data.eval is null: set data.eval (a JSONL or synthetic)")
+        errors.append(
+            f"data.eval_every={data.eval_every} but data.eval is null: set data.eval (a data file or folder, or a "
+            "built-in task)"
+        )
     if data.eval is not None and data.eval_every == 0:
         errors.append(f"data.eval={data.eval!r} is never used with data.eval_every=0; set data.eval_every > 0")
+    from megatron_rl.rollout.data import SYNTHETIC_TASKS
+
+    sources = data.train_sources()
+    if len(sources) > 1 and any(s.path in SYNTHETIC_TASKS for s in sources):
+        errors.append(
+            "data.train mixes a built-in task with data files: a built-in task trains alone (e.g. "
+            "data.train=synthetic); list only files in a mixture"
+        )
     for spec in data.reward_specs():
         if not _REWARD.match(spec.name):
             errors.append(

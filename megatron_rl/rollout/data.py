@@ -21,12 +21,7 @@ class PromptData:
         self.train_iter: Any = None  # a PromptIterator (one dataset) or a Mixture of them (data.train: [...])
         self.train_prompts: list[Any] = []  # every dataset's prompts, in data.train's order
         self.generate = _generate_batch(cfg, tokenizer)
-        sources = cfg.data.train_sources()
-        if len(sources) > 1 and any(s.path in SYNTHETIC_TASKS for s in sources):
-            raise ValueError(
-                "data.train mixes a built-in task with data files: a built-in task trains alone (e.g. "
-                "data.train=synthetic); list only files in a mixture"
-            )
+        sources = cfg.data.train_sources()  # a built-in task comes alone (config validation refuses a mix)
         if sources[0].path in SYNTHETIC_TASKS:
             self.task = _synthetic(self, sources[0].path)
             self.stream = self.task.stream()

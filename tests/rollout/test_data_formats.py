@@ -274,8 +274,8 @@ def test_prompt_data_mixture_sources_and_longest_prompt(tokenizer):
     assert set(single.state_dict()["prompts"]) == {"epoch", "index", "seed", "shuffle", "num_prompts"}  # as before
     assert single.data_sources() == set() and single.longest_prompt()[1].endswith("slime.jsonl:8")
     assert PromptData(_cfg(), tokenizer).longest_prompt() == (0, "")  # the built-in task
-    with pytest.raises(ValueError, match="data.train mixes a built-in task with data files"):
-        PromptData(_cfg(f"data.train=[{{path: synthetic}}, {{path: {FIXTURES / 'slime.jsonl'}}}]"), tokenizer)
+    with pytest.raises(ValueError, match="data.train mixes a built-in task with data files"):  # at config load
+        _cfg(f"data.train=[{{path: synthetic}}, {{path: {FIXTURES / 'slime.jsonl'}}}]")
 
 
 # ---------------------------------------------------------------------------------------------- training on each
