@@ -78,7 +78,7 @@ class PromptData:
     def eval_prompts(self, n: int):
         if self.cfg.data.eval in SYNTHETIC_TASKS:
             task = self.task
-            if task is None or self.cfg.data.eval != self.cfg.data.train:
+            if task is None or self.cfg.data.eval != self.cfg.data.train_sources()[0].path:
                 task = _synthetic(self, self.cfg.data.eval)
             return task.eval_prompts(n)
         if self._eval is None:

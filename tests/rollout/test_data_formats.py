@@ -8,6 +8,7 @@ same rows writes the same three files and reads back as the same rows (checked o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -316,3 +317,22 @@ def test_each_layout_trains_two_steps(layout: str, model_dir: Path, tmp_path: Pa
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 1, 1, 2, 2, 2, 2]
     assert {s["prompt"] for s in samples} <= expected and len({s["prompt"] for s in samples}) >= 2
+
+
+def test_the_docs_table_keys_load_and_read_the_fixtures(tokenizer):
+    """docs/datasets.md's layouts table: every `Set` cell's overrides load as a config, and the verl, slime and TRL
+    rows' keys read the fixture of that layout."""
+    table = (ROOT / "docs" / "datasets.md").read_text().split("## The layouts people bring", 1)[1].split("\n## ")[0]
+    cells = {
+        row.split("|")[1].strip(): re.findall(r"`(data\.[a-z_]+=[^` ]+)", row.split("|")[3])
+        for row in table.splitlines()
+        if row.startswith("| ") and not row.startswith("| Layout")
+    }
+    assert len(cells) == 7 and all(cells[name] for name in cells if not name.startswith("TRL conversational"))
+    for overrides in cells.values():
+        load_config(EXAMPLE, ["data.eval=null", "data.eval_every=0", *overrides])  # every key exists and parses
+    for name, fixture in [("verl", "verl.parquet"), ("slime", "slime.jsonl"), ("TRL prompt-only", "trl_chat.jsonl")]:
+        overrides = next(v for k, v in cells.items() if k.startswith(name))
+        data = load_config(EXAMPLE, ["data.eval=null", "data.eval_every=0", overrides[0]]).data
+        keys = {"prompt_key": data.prompt_key, "answer_key": data.answer_key, "apply_chat_template": True}
+        assert all(p.answer for p in load_prompts(FIXTURES / fixture, tokenizer, **keys)), name
