@@ -8,19 +8,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.shared_runs import DEMO_SEED
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_tool_gspo.yaml"
 
 
-def test_tool_example_raises_tool_success_and_accuracy(tmp_path: Path) -> None:
-    model = make_tiny_qwen3_moe(tmp_path / "model", seed=DEMO_SEED)
+# The seed of the tiny model and of the run (data, sampling); the other seeds are the slow tier.
+@pytest.mark.parametrize("seed", [DEMO_SEED, pytest.param(1, marks=pytest.mark.slow),
+                                  pytest.param(2, marks=pytest.mark.slow)])  # fmt: skip
+def test_tool_example_raises_tool_success_and_accuracy(tmp_path: Path, seed: int) -> None:
+    model = make_tiny_qwen3_moe(tmp_path / "model", seed=seed)
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
-         f"model.hf_path={model}", "trainer.steps=60", "data.eval_every=60", "trainer.save_every=0",
-         "logging.wandb=false", "logging.plot=false"],
+         f"model.hf_path={model}", f"trainer.seed={seed}", "trainer.steps=60", "data.eval_every=60",
+         "data.eval_prompts=256", "trainer.save_every=0", "logging.wandb=false", "logging.plot=false"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -33,16 +38,25 @@ def test_tool_example_raises_tool_success_and_accuracy(tmp_path: Path) -> None:
     def mean(key: str, rows: list[dict]) -> float:
         return sum(r[key] for r in rows) / len(rows)
 
-    # Measured (seed 1234, deterministic on CPU): steps 1-20 vs 41-60, reward 0.483 -> 0.597, tool-call success
-    # 0.884 -> 0.928, tool errors per trajectory 0.114 -> 0.070.
+    # A seeded CPU run is exact on one machine, not across CPUs: other kernels round otherwise and the 60-step
+    # trajectory drifts. Bounds from `python benchmarks/learning_margins.py --scenario tool --grid full --seeds 1234
+    # 1 2 3` (benchmarks/results/learning_margins_20261201.json, docs/testing.md): 14 healthy runs (4 seeds; seeds
+    # 1234 and 1 also under ATEN_CPU_CAPABILITY=avx2/default and 1 or 2 threads) against 8 broken-gradient runs
+    # (the GSPO loss sign-flipped or zeroed, 4 seeds each). Steps 1-20 -> 41-60, healthy min..max | broken max:
+    #   reward rise              0.091..0.245 | 0.034   (zeroed: sampling noise; sign-flipped: falls to 0)
+    #   tool-call success rise   0.034..0.058 | 0.016   (within its noise, sd ~0.012: the reward decides)
+    #   tool errors/trajectory   -0.056..-0.032 | +0.005 (a sign-flipped model that stops calling tools: -0.095)
     early, late = steps[:20], steps[-20:]
     assert mean("rollout/reward_mean", late) > mean("rollout/reward_mean", early) + 0.06
-    assert mean("multi_turn/tool_success_rate", late) > mean("multi_turn/tool_success_rate", early) + 0.02
-    assert mean("multi_turn/tool_errors_per_trajectory", late) < mean("multi_turn/tool_errors_per_trajectory", early)
+    assert mean("multi_turn/tool_success_rate", late) > mean("multi_turn/tool_success_rate", early) + 0.01
+    errors_early, errors_late = (mean("multi_turn/tool_errors_per_trajectory", rows) for rows in (early, late))
+    assert errors_late < errors_early - 0.01
     for r in steps:
         assert r["actor/ppo_kl_first"] == 0.0
-        assert 1.5 < r["multi_turn/turns_mean"] <= 3.0  # a call turn, then the answer turn
-        assert 0.05 < r["multi_turn/observation_token_share"] < 0.4
-    # Greedy on 64 held-out problems, measured 0.547 -> 0.812 (tool errors per trajectory 0.016 -> 0).
+        assert 1.5 < r["multi_turn/turns_mean"] <= 3.0  # a call turn, then the answer turn (measured 1.73-2.0)
+        assert 0.05 < r["multi_turn/observation_token_share"] < 0.4  # measured 0.18-0.24
+    # Greedy on 256 held-out problems (one problem is 0.004): before 0.39..0.69, after 0.62..0.79, rise
+    # 0.035..0.242 (the least where the warm-up ended highest); broken: zeroed +0.000 (the weights do not move),
+    # sign-flipped -> 0.
     before, after = history[0]["eval/accuracy"], steps[-1]["eval/accuracy"]
-    assert before > 0.2 and after > before + 0.15, f"held-out accuracy {before:.3f} -> {after:.3f}"
+    assert before > 0.2 and after > before + 0.01, f"held-out accuracy {before:.3f} -> {after:.3f}"
