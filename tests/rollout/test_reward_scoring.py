@@ -195,6 +195,18 @@ def test_workers_follow_a_changed_import_path(tokenizer, tmp_path: Path, monkeyp
     assert [s.reward for s in samples] == [3.0, 3.0] and stats.errors == 0
 
 
+def test_importing_the_rewards_module_is_not_timed(tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that takes longer to import (torch, a checker) than one call may take: only the calls are timed."""
+    (tmp_path / "slow_rewards.py").write_text(
+        "import time\ntime.sleep(2.0)  # stands for a heavy import\n\n"
+        "def one(sample, text, metadata):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    samples = _samples(tokenizer, ["a", "b", "c"])
+    stats = compute_rewards(samples, "slow_rewards:one", tokenizer, timeout_s=1.0, failure_limit=0.0)
+    assert [s.reward for s in samples] == [1.0, 1.0, 1.0] and stats.timeouts == 0
+
+
 def test_a_pool_closes_every_worker(tokenizer) -> None:
     pool = WorkerPool(2)
     items = [RewardInput(s, "ab") for s in _samples(tokenizer, ["ab", "ab"])]

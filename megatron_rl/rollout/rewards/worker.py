@@ -13,18 +13,27 @@ from megatron_rl.rollout.rewards.user_functions import Failure, Outcome, run_tas
 
 
 def _serve(read_fd: int, write_fd: int) -> None:
-    """A worker: answer calls until the parent closes the pipe."""
+    """A worker: import functions and answer calls until the parent closes the pipe. A message is b"L" + a pickled
+    function (import it; answer None, or why it failed) or b"C" + a pickled `RewardTask` (answer its `Outcome`)."""
     receive, send = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     send.send_bytes(b"ready")
     while True:
         try:
-            payload = receive.recv_bytes()
+            message = receive.recv_bytes()
         except (EOFError, OSError):
             return
+        kind, payload = message[:1], message[1:]
+        if kind == b"L":
+            try:
+                pickle.loads(payload)
+                send.send(None)
+            except BaseException as err:  # noqa: BLE001 - e.g. its module does not import here
+                send.send(f"{type(err).__name__}: {err}")
+            continue
         try:
             outcome: Outcome = run_task(pickle.loads(payload))
-        except BaseException as err:  # noqa: BLE001 - e.g. the function's module does not import here
-            outcome = Failure(f"cannot load the reward in its worker: {type(err).__name__}: {err}")
+        except BaseException as err:  # noqa: BLE001
+            outcome = Failure(f"cannot load the reward call in its worker: {type(err).__name__}: {err}")
         try:
             send.send(outcome)
         except Exception as err:  # noqa: BLE001

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from megatron_rl.rollout.rewards.user_functions import Failure, Outcome, RewardTask
 
 _START_TIMEOUT_S = 120  # a worker imports the rewards package before it answers "ready"
+_LOAD, _CALL = b"L", b"C"  # a message to a worker: import this function / run this task
 _CHUNK = 16  # tasks sent to a worker at once, at most ...
 _CHUNK_BYTES = 32 * 1024  # ... and this many bytes of them (a pipe buffers 64 KiB)
 
@@ -42,6 +43,7 @@ class _Worker:
         os.close(from_child_w)
         self.send = Connection(to_child_w, readable=False)
         self.receive = Connection(from_child_r, writable=False)
+        self.loaded: dict[bytes, str | None] = {}  # pickled function -> None once imported here, or why it failed
 
     def kill(self) -> None:
         self.process.kill()
@@ -85,32 +87,15 @@ class WorkerPool:
                 self.close()
                 self._sys_path = list(sys.path)
             outcomes: list[Outcome | None] = [None] * len(tasks)
+            functions: dict[int, bytes] = {}  # id(fn) -> its pickle (by reference: module and name)
+            failed: dict[bytes, str] = {}  # functions whose import hung in a worker
             todo = deque(range(len(tasks)))
             busy: dict[Connection, _Busy] = {}  # receive end -> what its worker holds
             while todo or busy:
                 self._ensure_idle(min(self.size - len(busy), len(todo)))
                 while todo and self._idle:
-                    worker, sent = self._idle.pop(), deque[int]()
-                    size, limit = 0, min(_CHUNK, max(1, len(todo) // (2 * self.size)))
-                    while todo and len(sent) < limit and (not sent or size < _CHUNK_BYTES):
-                        i = todo.popleft()
-                        try:
-                            payload = pickle.dumps(tasks[i])
-                        except Exception as err:  # noqa: BLE001 - options or metadata that cannot be pickled
-                            outcomes[i] = Failure(f"cannot send the call to a worker: {type(err).__name__}: {err}")
-                            continue
-                        if sent and size + len(payload) > _CHUNK_BYTES:
-                            todo.appendleft(i)
-                            break
-                        try:
-                            worker.send.send_bytes(payload)
-                        except OSError:  # the idle worker died (killed from outside): others take its tasks
-                            todo.extendleft(reversed([*sent, i]))
-                            self._kill(worker)
-                            sent.clear()
-                            break
-                        sent.append(i)
-                        size += len(payload)
+                    worker = self._idle.pop()
+                    sent = self._dispatch(worker, tasks, todo, outcomes, functions, failed)
                     if sent:
                         busy[worker.receive] = _Busy(worker, sent, time.monotonic() + timeout_s)
                     elif worker in self._alive:
@@ -137,6 +122,52 @@ class WorkerPool:
                     self._release(busy, held, todo)
             return [o if o is not None else Failure("no outcome") for o in outcomes]
 
+    def _dispatch(
+        self,
+        worker: _Worker,
+        tasks: list[RewardTask],
+        todo: deque[int],
+        outcomes: list[Outcome | None],
+        functions: dict[int, bytes],
+        failed: dict[bytes, str],
+    ) -> deque[int]:
+        """Send `worker` the next few tasks of `todo` (importing their function there first); the tasks sent. A task
+        that cannot be sent or whose function does not import gets its Failure in `outcomes` (a function whose
+        import hangs is in `failed`, not tried again in this run)."""
+        sent: deque[int] = deque()
+        size, limit = 0, min(_CHUNK, max(1, len(todo) // (2 * self.size)))
+        while todo and len(sent) < limit and (not sent or size < _CHUNK_BYTES):
+            i = todo.popleft()
+            try:
+                function = functions.setdefault(id(tasks[i].fn), pickle.dumps(tasks[i].fn))
+                payload = _CALL + pickle.dumps(tasks[i])
+            except Exception as err:  # noqa: BLE001 - options or metadata that cannot be pickled
+                outcomes[i] = Failure(f"cannot send the call to a worker: {type(err).__name__}: {err}")
+                continue
+            if sent and size + len(payload) > _CHUNK_BYTES:
+                todo.appendleft(i)
+                break
+            if function in failed:
+                outcomes[i] = Failure(failed[function])
+                continue
+            try:
+                if function not in worker.loaded and not self._load(worker, function):
+                    failed[function] = f"the reward's module did not import in a worker within {_START_TIMEOUT_S} s"
+                    outcomes[i] = Failure(failed[function])
+                    todo.extendleft(reversed(sent))
+                    return deque()
+                if worker.loaded[function] is not None:
+                    outcomes[i] = Failure(f"cannot load the reward in its worker: {worker.loaded[function]}")
+                    continue
+                worker.send.send_bytes(payload)
+            except (OSError, EOFError):  # the worker died (killed from outside): another one takes its tasks
+                todo.extendleft(reversed([*sent, i]))
+                self._kill(worker)
+                return deque()
+            sent.append(i)
+            size += len(payload)
+        return sent
+
     def _release(self, busy: dict[Connection, _Busy], held: _Busy, todo: deque[int]) -> None:
         """Kill a worker whose current task failed; the tasks queued behind it go back to the front of `todo`."""
         del busy[held.worker.receive]
@@ -158,6 +189,17 @@ class WorkerPool:
                 self._kill(worker)
                 code = worker.process.poll()
                 raise RuntimeError(f"a reward worker process failed to start ({err}; exit code {code})") from err
+
+    def _load(self, worker: _Worker, function: bytes) -> bool:
+        """Have `worker` import `function` (its module) before any call of it is timed: a user's module may import
+        torch or a checker that takes seconds. False (the worker killed) when that takes over 120 s; EOFError if
+        the worker dies."""
+        worker.send.send_bytes(_LOAD + function)
+        if not worker.receive.poll(_START_TIMEOUT_S):
+            self._kill(worker)
+            return False
+        worker.loaded[function] = worker.receive.recv()
+        return True
 
     def _kill(self, worker: _Worker) -> None:
         worker.kill()
