@@ -77,12 +77,21 @@ def check_input_paths(cfg: RLConfig) -> None:
 
     inputs = [("data.train", s.path) for s in cfg.data.train_sources()] + [("data.eval", cfg.data.eval)]
     inputs.append(("warmup.data", cfg.warmup.data))
+    from megatron_rl.data.readers import DataFileError, data_files
+
     for key, value in inputs:
-        if value is not None and value not in SYNTHETIC_TASKS and not Path(value).exists():
+        if value is None or value in SYNTHETIC_TASKS:
+            continue
+        if not Path(value).exists():
             errors.append(
                 f"{key}={value!r}: no such file or folder; give a JSONL / Parquet / .arrow file or a `datasets` "
                 f"folder, or a built-in task ({', '.join(repr(t) for t in SYNTHETIC_TASKS)})"
             )
+            continue
+        try:
+            data_files(value)  # a known format; a folder of one split (its listing and state.json only)
+        except DataFileError as err:
+            errors.append(f"{key}: {err}")
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:

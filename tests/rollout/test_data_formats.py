@@ -275,6 +275,8 @@ def test_prompt_data_mixture_sources_and_longest_prompt(tokenizer):
     assert set(single.state_dict()["prompts"]) == {"epoch", "index", "seed", "shuffle", "num_prompts"}  # as before
     assert single.data_sources() == set() and single.longest_prompt()[1].endswith("slime.jsonl:8")
     assert PromptData(_cfg(), tokenizer).longest_prompt() == (0, "")  # the built-in task
+    with pytest.raises(ValueError, match="data.reward=auto does not know data_source 'rev'"):  # data_sources() routed
+        PromptData(_cfg(f"data.train={FIXTURES / 'prompts.arrow'}", "data.reward=auto"), tokenizer)
     with pytest.raises(ValueError, match="data.train mixes a built-in task with data files"):  # at config load
         _cfg(f"data.train=[{{path: synthetic}}, {{path: {FIXTURES / 'slime.jsonl'}}}]")
 
@@ -336,3 +338,22 @@ def test_the_docs_table_keys_load_and_read_the_fixtures(tokenizer):
         data = load_config(EXAMPLE, ["data.eval=null", "data.eval_every=0", overrides[0]]).data
         keys = {"prompt_key": data.prompt_key, "answer_key": data.answer_key, "apply_chat_template": True}
         assert all(p.answer for p in load_prompts(FIXTURES / fixture, tokenizer, **keys)), name
+
+
+def test_a_datasetdict_folder_is_refused_before_the_model_is_built(tmp_path: Path):
+    splits = tmp_path / "gsm8k"
+    for split in ("train", "test"):
+        make_fixtures.write_saved_dataset(splits / split, [{"prompt": "1+1=", "answer": "2"}])
+    (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    model = tmp_path / "model"  # build_tiny_if_missing: the check comes first, so nothing is built
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"data.train={splits}", "data.eval=null",
+         "data.eval_every=0", f"model.hf_path={model}", f"trainer.output_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"megatron-rl train: error: data.train: {splits} is a DatasetDict with the splits 'train', 'test': name "
+        f"one split's folder, e.g. data.train={splits / 'train'}"
+    )
+    assert not model.exists()
