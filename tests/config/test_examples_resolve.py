@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, check_input_paths, load_config
 from megatron_rl.config.plugins import check_plugins
 from megatron_rl.rollout.env import get_env, get_generate_fn
 from megatron_rl.rollout.rewards import get_reward
@@ -26,9 +26,13 @@ def test_the_examples_are_found() -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_example_loads_and_resolves_every_plugin(example: Path) -> None:
+def test_example_loads_and_resolves_every_plugin(example: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny examples (run from the repository root) also name only shipped data files."""
+    monkeypatch.chdir(REPO)
     cfg = load_config(example)
     check_plugins(cfg)
+    if cfg.model.build_tiny_if_missing:
+        check_input_paths(cfg)
     specs = cfg.data.reward_specs()
     assert specs and all(callable(get_reward(spec.name)) for spec in specs)
     if cfg.rollout.env is not None:
