@@ -153,7 +153,7 @@ def test_auto_refuses_unknown_and_missing_sources() -> None:
 
 def test_math_answer_reads_a_gsm8k_reference() -> None:
     """The lenient fallback compares with the number after the reference's `####`, not the whole solution."""
-    assert math_answer(None, "#### 7", {"answer": "3 + 4 = 7\n#### 7"}) == 1.0  # type: ignore[arg-type]
+    assert math_answer(None, "#### 7", {"answer": "...\n#### 7"}) == 1.0  # type: ignore[arg-type]
     for text in ("\\boxed{7}", "The answer is 7", "so 3 + 4 = 7"):
         assert _score(math_answer, text, "3 + 4 = 7\n#### 7") == 1.0
     assert _score(math_answer, "#### 8", "3 + 4 = 7\n#### 7") == 0.0
