@@ -23,6 +23,8 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 STATE_FILE = "state.json"  # what save_to_disk writes next to its shards: `_data_files` lists them in order
 DATASET_DICT_FILE = "dataset_dict.json"  # a DatasetDict's save_to_disk: {"splits": [...]}, one subfolder each
 BATCH_ROWS = 1024  # rows converted to Python at a time
+# JSON files of a Hub repository or a `datasets` folder that describe the data rather than hold it
+METADATA_FILES = frozenset({STATE_FILE, DATASET_DICT_FILE, "dataset_info.json", "dataset_infos.json"})
 
 
 class DataFileError(ValueError):
@@ -188,7 +190,11 @@ def _split_of(file: Path, folder: Path) -> str:
 
 def _folder_files(folder: Path) -> list[Path]:
     hidden = (lambda p: any(part.startswith(".") for part in p.relative_to(folder).parts))  # noqa: E731
-    files = sorted(p for p in folder.rglob("*") if p.suffix in _READERS and p.is_file() and not hidden(p))
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix in _READERS and p.name not in METADATA_FILES and p.is_file() and not hidden(p)
+    )
     if not files:
         raise DataFileError(
             f"{folder}: no {', '.join(SUFFIXES)} files and no {STATE_FILE} (a `datasets` save_to_disk folder) in it"

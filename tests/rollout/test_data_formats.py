@@ -101,6 +101,10 @@ def test_folder_of_shards_and_split_refusals(tmp_path: Path):
     for i in range(2):
         shard = pa.Table.from_pylist([{"prompt": f"p{i}{j}"} for j in range(3)])
         pq.write_table(shard, data / f"train-0000{i}-of-00002.parquet")
+    (tmp_path / "hub" / "README.md").write_text("---\nconfigs: ...\n---\n")  # a Hub snapshot's other files
+    (tmp_path / "hub" / "dataset_infos.json").write_text("{}")
+    (tmp_path / "hub" / ".cache").mkdir()
+    (tmp_path / "hub" / ".cache" / "x.json").write_text("{}")
     assert [r["prompt"] for _, r in read_rows(tmp_path / "hub")] == ["p00", "p01", "p02", "p10", "p11", "p12"]
     pq.write_table(pa.Table.from_pylist([{"prompt": "t"}]), data / "test-00000-of-00001.parquet")
     with pytest.raises(DataFileError, match=r"several splits: data/test \(1 file\), data/train \(2 files\); .*"
