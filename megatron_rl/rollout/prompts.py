@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from megatron_rl.data.rows import answer_text, prompt_field, require_field
 
 logger = logging.getLogger(__name__)
 
+TOKENIZE_BATCH = 1024  # prompts tokenized in one call
 ANSWER_HINT = "set data.answer_key to the column of the reference answer, or to null if the rows have none"
 
 
@@ -52,13 +53,25 @@ def load_prompts(
         raise FileNotFoundError(f"prompt file {path} not found")
     if apply_chat_template:
         check_chat_template(tokenizer)
-    prompts, too_long = [], 0
+    prompts: list[Prompt] = []
+    pending: list[Prompt] = []  # read, not yet tokenized: a batch of texts tokenizes ~2x faster than one by one
+
+    def tokenize_pending() -> None:
+        # A chat template writes its own special tokens; plain text gets the tokenizer's (e.g. BOS, if it has one).
+        batch = tokenizer([p.text for p in pending], add_special_tokens=not apply_chat_template)["input_ids"]
+        prompts.extend(replace(p, token_ids=list(ids)) for p, ids in zip(pending, batch, strict=True))
+        pending.clear()
+
     for where, row in read_rows(path):
-        prompt = _to_prompt(row, where, tokenizer, prompt_key, answer_key, apply_chat_template)
-        if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
-            too_long += 1
-            continue
-        prompts.append(prompt)
+        pending.append(_to_prompt(row, where, tokenizer, prompt_key, answer_key, apply_chat_template))
+        if len(pending) == TOKENIZE_BATCH:
+            tokenize_pending()
+    if pending:
+        tokenize_pending()
+    too_long = 0
+    if max_prompt_tokens is not None:
+        kept = [p for p in prompts if len(p.token_ids) <= max_prompt_tokens]
+        too_long, prompts = len(prompts) - len(kept), kept
     if too_long:
         logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, max_prompt_tokens)
     if not prompts:
@@ -102,10 +115,8 @@ def _to_prompt(
             f"{where}: {column!r} holds chat messages, which need the tokenizer's chat template: set "
             "data.apply_chat_template=true (with a tokenizer that has one), or give the prompt as text"
         )
-    # A chat template writes its own special tokens; plain text gets the tokenizer's (e.g. BOS, if it has one).
-    token_ids = list(tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"])
     metadata = {k: v for k, v in row.items() if k not in (column, answer_key)}
-    return Prompt(text=text, token_ids=token_ids, answer=answer, metadata=metadata, origin=where)
+    return Prompt(text=text, token_ids=[], answer=answer, metadata=metadata, origin=where)  # ids: load_prompts
 
 
 class PromptIterator:
