@@ -189,11 +189,13 @@ def _split_of(file: Path, folder: Path) -> str:
 
 
 def _folder_files(folder: Path) -> list[Path]:
-    hidden = (lambda p: any(part.startswith(".") for part in p.relative_to(folder).parts))  # noqa: E731
     files = sorted(
         p
         for p in folder.rglob("*")
-        if p.suffix in _READERS and p.name not in METADATA_FILES and p.is_file() and not hidden(p)
+        if p.suffix in _READERS
+        and p.name not in METADATA_FILES
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)  # .cache/, .git/
     )
     if not files:
         raise DataFileError(
