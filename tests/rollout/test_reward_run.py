@@ -10,6 +10,8 @@ from pathlib import Path
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.shared_runs import DEMO_SEED, TRAIN
 
+REPO = Path(__file__).parents[2]
+
 
 def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     model = make_tiny_qwen3_moe(tmp_path / "model", seed=DEMO_SEED)
@@ -26,6 +28,7 @@ def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=REPO,  # `tests.rollout.reward_fixtures` imports from the repository root
     )
 
 
