@@ -361,3 +361,35 @@ def test_a_datasetdict_folder_is_refused_before_the_model_is_built(tmp_path: Pat
         f"one split's folder, e.g. data.train={splits / 'train'}"
     )
     assert not model.exists()
+
+
+def test_a_mixture_run_resumes_with_the_same_prompts(model_dir: Path, tmp_path: Path):
+    """3 steps on a 2-file mixture, and the same run stopped after step 1 and resumed: steps 2 and 3 draw the same
+    prompts from the same files (the checkpoint holds the mixture's draw count and each file's position)."""
+    for name, rows in {"sums": [(f"{a}+{b}=", str(a + b)) for a, b in make_fixtures.SUMS],
+                       "revs": [(f"{a}{b}", f"{b}{a}") for a, b in make_fixtures.SUMS]}.items():  # fmt: skip
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    mixture = f"data.train=[{{path: {tmp_path / 'sums.jsonl'}}}, {{path: {tmp_path / 'revs.jsonl'}}}]"
+
+    def train(out: Path, steps: int) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"model.hf_path={model_dir}",
+             f"trainer.output_dir={out}", mixture, "data.reward=exact_match", "data.eval=null", "data.eval_every=0",
+             "warmup.sft_steps=0", f"trainer.steps={steps}", "trainer.save_every=1", "trainer.keep_last=0",
+             "rollout.n_samples=2", "rollout.prompts_per_step=4", "rollout.sampling.max_new_tokens=4",
+             "logging.wandb=false", "logging.plot=false", "logging.samples_per_step=8"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    def prompts(out: Path) -> dict[int, list[str]]:
+        rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        return {step: [r["prompt"] for r in rows if r["step"] == step] for step in (2, 3)}
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(whole, 3)
+    train(split, 1)
+    train(split, 3)  # resume=auto continues from step 1
+    assert prompts(split) == prompts(whole)
+    drawn = [p for step in prompts(whole).values() for p in step]
+    assert len(drawn) == 16 and any("+" in p for p in drawn) and any("+" not in p for p in drawn)  # both files
