@@ -393,3 +393,9 @@ def test_a_mixture_run_resumes_with_the_same_prompts(model_dir: Path, tmp_path: 
     assert prompts(split) == prompts(whole)
     drawn = [p for step in prompts(whole).values() for p in step]
     assert len(drawn) == 16 and any("+" in p for p in drawn) and any("+" not in p for p in drawn)  # both files
+
+
+def test_the_shipped_fixtures_are_what_the_script_writes(tmp_path: Path):
+    make_fixtures.main(tmp_path)
+    for name in ("verl.parquet", "slime.jsonl", "trl_chat.jsonl", "hf_dataset", "prompts.arrow"):
+        assert [r for _, r in read_rows(tmp_path / name)] == [r for _, r in read_rows(FIXTURES / name)], name
