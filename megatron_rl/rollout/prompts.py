@@ -116,6 +116,8 @@ def _to_prompt(
             "data.apply_chat_template=true (with a tokenizer that has one), or give the prompt as text"
         )
     metadata = {k: v for k, v in row.items() if k not in (column, answer_key)}
+    if not isinstance(value, str):  # TRL-style rewards get a chat row's prompt as its messages (user_functions)
+        metadata["prompt_messages"] = list(value)
     return Prompt(text=text, token_ids=[], answer=answer, metadata=metadata, origin=where)  # ids: load_prompts
 
 

@@ -48,8 +48,10 @@ def test_verl_parquet_nested_answer_and_metadata(tokenizer):
     first = prompts[0]
     assert first.text == _chat(tokenizer, _user("1+1=")) and first.answer == "2"
     assert first.token_ids == tokenizer(first.text, add_special_tokens=False)["input_ids"]
-    # Every other column reaches the reward's metadata as it is: nested dicts stay dicts, ints stay ints.
+    # Every other column reaches the reward's metadata as it is: nested dicts stay dicts, ints stay ints; the
+    # prompt's messages are kept for TRL-style rewards (they get chat prompts as message lists).
     assert first.metadata == {
+        "prompt_messages": _user("1+1="),
         "data_source": "openai/gsm8k",
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": "2"},
@@ -72,7 +74,8 @@ def test_trl_chat_prompts_and_messages_column(tokenizer):
     assert prompts[0].text == _chat(tokenizer, _user("1-1=")) and prompts[0].answer == "0"
     # A `messages` row (no prompt column) is prompted up to its last user turn: the assistant's reply is not shown.
     assert prompts[7].text == _chat(tokenizer, _user("9-4=")) and prompts[7].answer == "5"
-    assert prompts[7].metadata == {}
+    assert prompts[7].metadata == {"prompt_messages": _user("9-4=")}
+    assert prompts[0].metadata == {"prompt_messages": _user("1-1=")}
 
 
 def test_saved_dataset_folder_and_arrow_file(tokenizer, tmp_path: Path):

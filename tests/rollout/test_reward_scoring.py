@@ -106,6 +106,21 @@ def test_trl_arguments_follow_grpo_trainers_contract(tokenizer) -> None:
     assert trl_arguments(reward_fixtures.trl_length, [RewardInput(text, "x")])["prompts"] == [text.metadata["prompt"]]
 
 
+def test_trl_functions_get_a_loaded_chat_rows_messages(tokenizer) -> None:
+    """From the loader to the call: a TRL chat dataset's prompts reach a TRL-style reward as message lists."""
+    from megatron_rl.rollout.prompts import load_prompts
+
+    fixtures = Path(__file__).parents[1] / "fixtures" / "data"
+    prompts = load_prompts(fixtures / "trl_chat.jsonl", tokenizer, answer_key="solution", apply_chat_template=True)
+    samples = _samples(tokenizer, ["0", "9"])
+    for sample, prompt in zip(samples, prompts, strict=False):
+        sample.metadata = {**prompt.metadata, "prompt": prompt.text, "answer": prompt.answer}
+    items = [RewardInput(s, t) for s, t in zip(samples, ["0", "9"], strict=True)]
+    kwargs = trl_arguments(reward_fixtures.trl_length, items, answer_column="solution")
+    assert kwargs["prompts"] == [[{"role": "user", "content": "1-1="}], [{"role": "user", "content": "1-2="}]]
+    assert kwargs["completions"] == [[{"role": "assistant", "content": "0"}], [{"role": "assistant", "content": "9"}]]
+
+
 def test_signatures_and_options_are_checked_at_start() -> None:
     assert reward_style(reward_fixtures.marked, "marked") == "sample"
     assert reward_style(reward_fixtures.trl_exact, "trl_exact") == "batched"
