@@ -247,6 +247,19 @@ def summarise(runs: list[dict]) -> dict:
     return summary
 
 
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return f"{torch.__version__}, native kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2:])
@@ -265,8 +278,8 @@ def main() -> int:
         return 0
     out = args.out or RESULTS / f"learning_margins_{datetime.date.today():%Y%m%d}.json"
     doc = json.loads(out.read_text()) if out.is_file() else {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version()},
+        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "torch": _torch_version(), "date": f"{datetime.date.today():%Y-%m-%d}"},
         "command": "python benchmarks/learning_margins.py " + " ".join(sys.argv[1:]),
         "runs": [],
     }  # fmt: skip

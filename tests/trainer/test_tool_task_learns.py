@@ -45,7 +45,8 @@ def test_tool_example_raises_tool_success_and_accuracy(tmp_path: Path, seed: int
     # (the GSPO loss sign-flipped or zeroed, 4 seeds each). Steps 1-20 -> 41-60, healthy min..max | broken max:
     #   reward rise              0.091..0.245 | 0.034   (zeroed: sampling noise; sign-flipped: falls to 0)
     #   tool-call success rise   0.034..0.058 | 0.016   (within its noise, sd ~0.012: the reward decides)
-    #   tool errors/trajectory   -0.056..-0.032 | +0.005 (a sign-flipped model that stops calling tools: -0.095)
+    #   tool errors/trajectory   -0.056..-0.032 | -0.095..+0.075 (a sign-flipped model that stops calling tools
+    #                            makes no errors; zeroed -0.016..+0.005: the reward decides)
     early, late = steps[:20], steps[-20:]
     assert mean("rollout/reward_mean", late) > mean("rollout/reward_mean", early) + 0.06
     assert mean("multi_turn/tool_success_rate", late) > mean("multi_turn/tool_success_rate", early) + 0.01
