@@ -235,6 +235,8 @@ def _build_parts(
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     data = PromptData(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
     check_positions(cfg, data, max_positions(read_hf_config(model_dir)))
+    if cfg.warmup.sft_steps > 0:
+        data.sft_pairs(0, start=0)  # the SFT rows are read, and a bad one refused, before the model build
     actor = build_actor(cfg, model_dir)
     engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:
