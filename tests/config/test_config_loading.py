@@ -209,7 +209,9 @@ def test_round_trip_exact_with_every_kind_of_value(tmp_path: Path):
 def test_to_dict_is_plain_yaml_data():
     data = to_dict(load_config(None, [*BASE, "rollout.sampling.stop_token_ids=[3]"]))
     assert data["rollout"]["sampling"]["stop_token_ids"] == [3]
-    assert list(data) == ["model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging", "plugins"]
+    assert list(data) == [
+        "model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging", "plugins",
+    ]  # fmt: skip
     yaml.safe_dump(data)  # only plain types
 
 

@@ -32,7 +32,9 @@ def test_every_field_has_help(key: str):
 
 def test_tree_has_the_sections_and_reuses_the_backend_dataclasses():
     top = field_specs(RLConfig)
-    assert list(top) == ["model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging", "plugins"]
+    assert list(top) == [
+        "model", "parallel", "optimizer", "algo", "rollout", "data", "warmup", "trainer", "logging", "plugins",
+    ]  # fmt: skip
     assert top["parallel"].type is ParallelLayout and top["optimizer"].type is OptimizerOptions
     assert field_specs(ModelConfig)["options"].type is ModelOptions
     assert dict(walk_fields(RLConfig))["rollout.sampling"].type is SamplingParams
