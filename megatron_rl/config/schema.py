@@ -415,7 +415,12 @@ class TrainerConfig:
         "while the rollout engine generates, and back before training (frees the GPU for the KV cache)",
     )
     output_dir: str = setting("runs/megatron_rl", help="checkpoints, the resolved config, logs and plots go here")
-    save_every: int = setting(50, help="save a checkpoint every N steps (and after the last); 0 = only the last", ge=0)
+    save_every: int = setting(
+        50,
+        help="save a checkpoint every N steps (and after the last); 0 = only the last. The warm-up also saves every "
+        "N SFT steps, and a resumed run continues it there",
+        ge=0,
+    )
     keep_last: int = setting(2, help="checkpoints to keep; 0 = keep all", ge=0)
     async_save: bool = setting(
         False,
