@@ -27,12 +27,12 @@ def test_demo_raises_held_out_accuracy(tmp_path: Path) -> None:
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in history if r["step"] > 0]
     assert len(steps) == 100
-    # `python benchmarks/learning_margins.py --scenario demo --grid full --seeds 1234 1 2 3`
-    # (benchmarks/results/learning_margins_20261201.json, docs/testing.md), 14 healthy runs (4 seeds; seeds 1234
-    # and 1 also under ATEN_CPU_CAPABILITY=avx2/default and 1 or 2 threads), 8 broken (GSPO loss sign-flipped or
-    # zeroed): held-out rise healthy 0.020..0.238 (seed 1234: 0.141..0.238; 0.020: seed 1 near the ceiling,
-    # 0.961 -> 0.981), broken max 0.000; reward, steps 1-10 -> 91-100, healthy +0.055..+0.263, zeroed
-    # -0.041..+0.053 (the noise of 80 prompts), sign-flipped -0.68..-0.25: only a collapse is asserted.
+    # `python benchmarks/learning_margins.py --scenario demo --grid full --seeds 1234 1 2 3` and `... --seeds 2 3
+    # --kernels avx2 default` (benchmarks/results/learning_margins_20261201.json, docs/testing.md), 18 healthy runs
+    # (seeds 1234, 1, 2, 3 under ATEN_CPU_CAPABILITY=native/avx2/default; 1 or 2 threads run alike), 8 broken
+    # (GSPO loss sign-flipped or zeroed): held-out rise healthy 0.020..0.238 (seed 1234: 0.141..0.238; 0.020: seed
+    # 1 near the ceiling, 0.961 -> 0.981), broken max 0.000; reward, steps 1-10 -> 91-100, healthy +0.055..+0.263,
+    # zeroed -0.041..+0.053 (the noise of 80 prompts), sign-flipped -0.68..-0.25: only a collapse is asserted.
     rewards = [r["rollout/reward_mean"] for r in steps]
     early, late = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert late > early - 0.1, f"reward collapsed: {early:.3f} -> {late:.3f}"
