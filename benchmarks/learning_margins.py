@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
@@ -44,16 +45,22 @@ BROKEN_LOSSES = ("gspo_sign_flipped", "gspo_zeroed")
 
 def register_broken_losses() -> None:
     """Register the two broken-gradient losses (in this process only: the benchmark's worker)."""
-    from megatron_rl.algorithms.policy_losses import POLICY_LOSSES, gspo_loss
+    import torch
+
+    from megatron_rl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossConfig, TokenLoss, gspo_loss
 
     @POLICY_LOSSES.register("gspo_sign_flipped")
-    def gspo_sign_flipped(log_probs, old_log_probs, adv, mask, cfg):  # type: ignore[no-untyped-def]
-        terms = gspo_loss(log_probs, old_log_probs, adv, mask, cfg)
+    def gspo_sign_flipped(
+        log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
+    ) -> TokenLoss:
+        terms = gspo_loss(log_probs, old, adv, mask, cfg)
         return terms._replace(loss=-terms.loss)
 
     @POLICY_LOSSES.register("gspo_zeroed")
-    def gspo_zeroed(log_probs, old_log_probs, adv, mask, cfg):  # type: ignore[no-untyped-def]
-        terms = gspo_loss(log_probs, old_log_probs, adv, mask, cfg)
+    def gspo_zeroed(
+        log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
+    ) -> TokenLoss:
+        terms = gspo_loss(log_probs, old, adv, mask, cfg)
         return terms._replace(loss=terms.loss * 0.0)
 
 
@@ -188,7 +195,7 @@ def worker(argv: list[str]) -> int:
 
     evaluate = loop.evaluate
 
-    def timed_evaluate(*a, **k):  # type: ignore[no-untyped-def]
+    def timed_evaluate(*a: Any, **k: Any) -> dict[str, float]:
         start = time.perf_counter()
         try:
             return evaluate(*a, **k)
@@ -277,12 +284,16 @@ def main() -> int:
         print(json.dumps(summarise(json.loads(args.summary.read_text())["runs"]), indent=1))
         return 0
     out = args.out or RESULTS / f"learning_margins_{datetime.date.today():%Y%m%d}.json"
-    doc = json.loads(out.read_text()) if out.is_file() else {
+    command = "python benchmarks/learning_margins.py " + " ".join(sys.argv[1:])
+    doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "torch": _torch_version(), "date": f"{datetime.date.today():%Y-%m-%d}"},
-        "command": "python benchmarks/learning_margins.py " + " ".join(sys.argv[1:]),
+        "command": [],
         "runs": [],
     }  # fmt: skip
+    if isinstance(doc["command"], str):
+        doc["command"] = [doc["command"]]
+    doc["command"].append(command)  # every command that added runs to this file
     with tempfile.TemporaryDirectory() as work:
         for name in args.scenario:
             for v in grid(args, SCENARIOS[name]):

@@ -71,10 +71,10 @@ def _assert_learns(history: list[dict]) -> None:
     drifts. Measured by `python benchmarks/learning_margins.py --scenario loop --grid full --seeds 1234 1 2 3` and
     `... --seeds 2 3 --kernels avx2 default` (benchmarks/results/learning_margins_20261201.json, docs/testing.md):
     18 healthy runs (seeds 1234, 1, 2, 3 under ATEN_CPU_CAPABILITY=native/avx2/default; 1 or 2 threads run
-    alike), 8 broken (GSPO loss sign-flipped or zeroed, 4 seeds each):
+    alike), 9 broken (GSPO loss sign-flipped, 4 seeds, or zeroed, 5 seeds):
       held-out accuracy rise (256 problems)  healthy 0.031..0.215 (0.031: seed 1 at the ceiling, 0.969 -> 1.0),
                                              broken max 0.000 (zeroed: the weights do not move; sign-flipped -> 0)
-      reward, steps 1-10 -> 21-30            healthy +0.003..+0.137, zeroed -0.089..+0.047, sign-flipped
+      reward, steps 1-10 -> 21-30            healthy +0.003..+0.137, zeroed -0.089..+0.114, sign-flipped
                                              -0.655..-0.250: at 30 steps the rise is within the noise of a
                                              10-step mean, so only a collapse is asserted
     """
