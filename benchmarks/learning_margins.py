@@ -9,7 +9,7 @@ drifts. This script runs each learning test's scenario (the command its test run
   threads   `trainer.cpu_threads` = 1 or 2 (torch's intra-op threads: another reduction order)
   loss      the test's loss, or a broken gradient registered in the worker process only: `gspo_sign_flipped`
             (minus the GSPO loss: gradient ascent on the surrogate) and `gspo_zeroed` (0 x the GSPO loss: no
-            gradient, the weights stay at the warm-up's)
+            gradient, the weights stay at the warm-up's); `ppo_*` likewise for the GRPO example
 
 and writes every run's metrics to benchmarks/results/learning_margins_<date>.json. The test bounds are set below
 the worst healthy run and above the best broken one (docs/testing.md lists them).
@@ -40,28 +40,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 RESULTS = REPO / "benchmarks" / "results"
 COMMON = ("trainer.save_every=0", "logging.wandb=false", "logging.plot=false")
-BROKEN_LOSSES = ("gspo_sign_flipped", "gspo_zeroed")
+BROKEN = ("sign_flipped", "zeroed")  # <loss>_sign_flipped, <loss>_zeroed
 
 
 def register_broken_losses() -> None:
-    """Register the two broken-gradient losses (in this process only: the benchmark's worker)."""
-    import torch
+    """Register `<loss>_sign_flipped` (minus the loss) and `<loss>_zeroed` (0 x the loss) for the GSPO and PPO
+    losses, in this process only (the benchmark's worker)."""
+    from megatron_rl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossFn
 
-    from megatron_rl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossConfig, TokenLoss, gspo_loss
+    def broken(base: PolicyLossFn, scale: float) -> PolicyLossFn:
+        def loss(*args: Any) -> Any:
+            terms = base(*args)
+            return terms._replace(loss=terms.loss * scale)
 
-    @POLICY_LOSSES.register("gspo_sign_flipped")
-    def gspo_sign_flipped(
-        log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
-    ) -> TokenLoss:
-        terms = gspo_loss(log_probs, old, adv, mask, cfg)
-        return terms._replace(loss=-terms.loss)
+        return loss
 
-    @POLICY_LOSSES.register("gspo_zeroed")
-    def gspo_zeroed(
-        log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
-    ) -> TokenLoss:
-        terms = gspo_loss(log_probs, old, adv, mask, cfg)
-        return terms._replace(loss=terms.loss * 0.0)
+    for name in ("gspo", "ppo"):
+        POLICY_LOSSES.register(f"{name}_sign_flipped")(broken(POLICY_LOSSES.get(name), -1.0))
+        POLICY_LOSSES.register(f"{name}_zeroed")(broken(POLICY_LOSSES.get(name), 0.0))
 
 
 @dataclass(frozen=True)
@@ -73,6 +69,7 @@ class Scenario:
     overrides: tuple[str, ...]
     metrics: Callable[[list[dict]], dict[str, float]]
     threads: int  # the test's torch threads (trainer.cpu_threads; the tool config's default 0 is 2 on 2 cores)
+    loss: str = "gspo"  # the config's policy loss, which the broken variants break
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -109,7 +106,7 @@ def loop_metrics(history: list[dict]) -> dict[str, float]:
     out["reward_early"], out["reward_late"] = _mean(steps[:10], "rollout/reward_mean"), _mean(
         steps[-10:], "rollout/reward_mean"
     )
-    out["logp_abs_diff_max"] = max(r["mismatch/logp_abs_diff"] for r in steps)  # the test's per-step bound
+    out["logp_abs_diff_max"] = max(r.get("mismatch/logp_abs_diff", 0.0) for r in steps)  # the test's bound
     return out
 
 
@@ -138,6 +135,15 @@ SCENARIOS: dict[str, Scenario] = {
         ("data.eval_every=100", "data.eval_prompts=256"),
         loop_metrics,
         1,
+    ),
+    # tests/trainer/test_sft_user_data.py::test_the_gsm8k_example_sft_then_grpo_raises_held_out_accuracy (slow)
+    "gsm8k": Scenario(
+        "tests/trainer/test_sft_user_data.py::test_the_gsm8k_example_sft_then_grpo_raises_held_out_accuracy",
+        "examples/tiny_gsm8k_sft_grpo.yaml",
+        (),
+        loop_metrics,
+        1,
+        "ppo",
     ),
 }
 
@@ -219,7 +225,7 @@ def grid(args: argparse.Namespace, scenario: Scenario) -> list[Variant]:
                 for t in (1, 2):
                     if (k, t) != ("native", threads):
                         out.append(Variant(s, k, t, ""))
-        out += [Variant(s, "native", threads, loss) for loss in BROKEN_LOSSES for s in args.seeds]
+        out += [Variant(s, "native", threads, f"{scenario.loss}_{b}") for b in BROKEN for s in args.seeds]
         return out
     return [
         Variant(s, k, t, loss)
@@ -276,7 +282,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     parser.add_argument("--kernels", nargs="+", default=["native"], help="native, avx2, default")
     parser.add_argument("--threads", type=int, nargs="+", help="default: the test's")
-    parser.add_argument("--losses", nargs="+", default=[""], help="'' = the config's; or " + ", ".join(BROKEN_LOSSES))
+    parser.add_argument("--losses", nargs="+", default=[""], help="'' = the config's, or gspo|ppo_sign_flipped|zeroed")
     parser.add_argument("--out", type=Path, help="JSON results file; runs are appended to it as they finish")
     parser.add_argument("--summary", type=Path, help="print the summary of a results file and exit")
     args = parser.parse_args()
