@@ -87,13 +87,25 @@ def test_sft_on_user_jsonl_lowers_the_loss_then_rl_runs(uninterrupted: Path):
     assert all(math.isfinite(r["actor/loss"]) and 0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rl)
 
 
-def test_a_run_killed_mid_sft_resumes_mid_sft(uninterrupted: Path, model_dir: Path, tmp_path: Path):
+def test_a_run_stopped_and_killed_mid_sft_resumes_mid_sft(uninterrupted: Path, model_dir: Path, tmp_path: Path):
+    """Ctrl-C during SFT step 3 (it stops after it, saving there), then a resume SIGKILLed before step 6 (the
+    checkpoint of step 4 is the newest), then a resume to the end: the rows are the uninterrupted run's."""
     out = tmp_path / "run"
-    killed = _run([*KILLED, "train"], out, model_dir, env={**os.environ, "KILL_AT_SFT_STEP": "6"}, check=False)
+
+    def sft_state() -> dict:
+        return json.loads((out / "checkpoints" / "step_000000000" / "trainer_state.json").read_text())["trainer"]
+
+    env = {**os.environ, "STOP_AT_CALL": "3", "STOP_SIGNAL": "INT"}
+    stopped = _run([*KILLED, "train"], out, model_dir, env=env, check=False)
+    assert stopped.returncode == 130, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "interrupted at SFT step 3 of 8; last checkpoint: SFT step 3; resume with: " in stopped.stdout
+    assert [r["sft_step"] for r in _sft_rows(out)] == [1, 2, 3] and sft_state()["sft_step"] == 3
+
+    env = {**os.environ, "STOP_AT_CALL": "3", "STOP_SIGNAL": "KILL"}  # the 3rd step of this start: step 6
+    killed = _run([*KILLED, "train"], out, model_dir, "trainer.resume=auto", env=env, check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [r["sft_step"] for r in _sft_rows(out)] == [1, 2, 3, 4, 5]  # step 5 ran after the checkpoint of step 4
-    state = json.loads((out / "checkpoints" / "step_000000000" / "trainer_state.json").read_text())
-    assert state["trainer"]["sft_step"] == 4 and state["trainer"]["sft_done"] is False
+    assert sft_state()["sft_step"] == 4 and sft_state()["sft_done"] is False
     assert not (out / "metrics.jsonl").is_file() or not _rl_rows(out)  # no RL step yet
 
     _run([*CLI, "train"], out, model_dir, "trainer.resume=auto")
