@@ -110,11 +110,15 @@ class PromptData:
         (0, "") for the built-in tasks."""
         return max(((len(p.token_ids), p.origin) for p in self._file_prompts()), key=lambda t: t[0], default=(0, ""))
 
-    def sft_pairs(self, n: int, *, start: int):
-        """Examples `start` .. `start + n - 1` of the warm-up's stream (`warmup.data`, default `data.train`)."""
+    def sft_source(self) -> Any:
+        """The warm-up's examples (`open_sft_source`: `warmup.data`, default `data.train`), read on first use."""
         if getattr(self, "_sft", None) is None:
             self._sft = open_sft_source(self.cfg, self.tokenizer, train_task=self.task)
-        return self._sft.sft_pairs(n, start=start)
+        return self._sft
+
+    def sft_pairs(self, n: int, *, start: int):
+        """Examples `start` .. `start + n - 1` of the warm-up's stream."""
+        return self.sft_source().sft_pairs(n, start=start)
 
     def state_dict(self) -> dict:
         return {

@@ -179,10 +179,11 @@ class SFTDataset:
     """The SFT examples of a file, drawn in a seeded order epoch after epoch: example k of the stream is a pure
     function of (seed, k), so a resumed warm-up continues with the same examples."""
 
-    def __init__(self, examples: Sequence[SFTPair], *, seed: int):
+    def __init__(self, examples: Sequence[SFTPair], *, seed: int, where: Sequence[str] | None = None):
         if not examples:
             raise SFTDataError("no SFT examples")
         self.examples = list(examples)
+        self.where = list(where) if where is not None else [f"example {i}" for i in range(len(examples))]
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
 
@@ -201,20 +202,25 @@ class SFTDataset:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"SFT data {path} not found (warmup.data, default data.train)")
-        examples = [
-            sft_example(
-                row,
-                where,
-                tokenizer,
-                prompt_key=prompt_key,
-                response_key=response_key,
-                apply_chat_template=apply_chat_template,
-            )
-            for where, row in _rows(path)
-        ]
+        examples, where = [], []
+        for name, row in _rows(path):
+            options = {"prompt_key": prompt_key, "response_key": response_key}
+            examples.append(sft_example(row, name, tokenizer, apply_chat_template=apply_chat_template, **options))
+            where.append(name)
         if not examples:
             raise SFTDataError(f"{path} holds no rows for SFT")
-        return cls(examples, seed=seed)
+        return cls(examples, seed=seed, where=where)
+
+    def check_lengths(self, max_tokens: int) -> None:
+        """SFTDataError naming the longest example if it has more than `max_tokens` tokens (the model's positions)."""
+        lengths = [len(p.prompt_ids) + len(p.response_ids) for p in self.examples]
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[longest] > max_tokens:
+            too_long = sum(n > max_tokens for n in lengths)
+            raise SFTDataError(
+                f"{self.where[longest]}: the SFT example has {lengths[longest]} tokens, more than the model's "
+                f"{max_tokens} positions ({too_long} of {len(lengths)} examples are too long); shorten or drop them"
+            )
 
     def __len__(self) -> int:
         return len(self.examples)

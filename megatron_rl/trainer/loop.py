@@ -56,7 +56,7 @@ from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.sample_log import SampleLog, eval_dataset_name
 from megatron_rl.trainer.step_metrics import mismatch_metrics, multi_turn_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
-from megatron_rl.trainer.warmup import WarmupRun, run_warmup
+from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
 
@@ -234,9 +234,10 @@ def _build_parts(
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     data = PromptData(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
-    check_positions(cfg, data, max_positions(read_hf_config(model_dir)))
-    if cfg.warmup.sft_steps > 0:
-        data.sft_pairs(0, start=0)  # the SFT rows are read, and a bad one refused, before the model build
+    positions = max_positions(read_hf_config(model_dir))
+    check_positions(cfg, data, positions)
+    if cfg.warmup.sft_steps > 0:  # the SFT rows are read, and a bad or too long one refused, before the model build
+        check_warmup_data(data.sft_source(), positions)
     actor = build_actor(cfg, model_dir)
     engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:

@@ -131,6 +131,13 @@ def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: dict, wher
     return done == cfg.warmup.sft_steps and where.stopped_by is None
 
 
+def check_warmup_data(source: Any, max_tokens: int) -> None:
+    """Refuse an example of the warm-up's `source` (read by now: a bad row was refused) longer than the model's
+    `max_tokens` positions. The built-in tasks' examples are short by construction."""
+    if hasattr(source, "check_lengths"):
+        source.check_lengths(max_tokens)
+
+
 def data_state(data: Any) -> Any:
     """The prompt stream's position to keep in a mid-SFT checkpoint (None for a bare SFT source)."""
     return data.state_dict() if hasattr(data, "state_dict") else None
@@ -231,7 +238,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
     from megatron_rl.megatron_backend.hf_weights import read_hf_config
-    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
     from megatron_rl.rollout.data import open_sft_source
     from megatron_rl.trainer import run_dir
     from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, load_tokenizer, prepare_model_dir
@@ -265,6 +272,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
             dist.barrier()
             tokenizer = load_tokenizer(cfg, dims.vocab_size)
             source = open_sft_source(cfg, tokenizer)
+            check_warmup_data(source, max_positions(read_hf_config(model_dir)))
             actor = build_actor(cfg, model_dir)
             state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
             if plan.resume_from is not None:

@@ -126,3 +126,14 @@ def test_file_rows_are_named_by_line(tmp_path: Path, tokenizer):
     path.write_text(json.dumps({"prompt": "q", "response": "a"}) + "\n" + json.dumps({"prompt": "q"}) + "\n")
     with pytest.raises(SFTDataError, match=r"bad.jsonl:2: the conversation ends in 'user' turn"):
         SFTDataset.from_file(path, tokenizer, seed=0, **CHAT)
+
+
+def test_an_example_longer_than_the_model_is_refused_naming_it(tmp_path: Path, tokenizer):
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "q", "response": "a"}, {"prompt": "q" * 300, "response": "a"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = SFTDataset.from_file(path, tokenizer, seed=0, **CHAT)
+    data.check_lengths(400)  # 19 template tokens + 300 + "a" and EOS: 321
+    with pytest.raises(SFTDataError, match=r"long.jsonl:2: the SFT example has 321 tokens, more than the model's 256 "
+                       r"positions \(1 of 2 examples are too long\)"):  # fmt: skip
+        data.check_lengths(256)

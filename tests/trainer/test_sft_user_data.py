@@ -182,3 +182,15 @@ def test_the_gsm8k_example_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path
     accuracy = [r["eval/accuracy"] for r in _rl_rows(out) if "eval/accuracy" in r]
     assert 0.25 <= accuracy[0] <= 0.8, accuracy  # after SFT: partly right
     assert accuracy[-1] >= accuracy[0] + 0.08, accuracy
+
+
+def test_a_row_without_a_response_is_refused_before_the_model_build(model_dir: Path, tmp_path: Path):
+    data = tmp_path / "no_response.jsonl"
+    data.write_text(json.dumps({"question": "Tom has 3 apples.", "answer": "3\n#### 3"}) + "\n"
+                    + json.dumps({"question": "Ann has 2 pens."}) + "\n")  # fmt: skip
+    proc = _run([*CLI, "train"], tmp_path / "run", model_dir, f"warmup.data={data}", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"megatron-rl train: error: {data}:2: the conversation ends in 'user' turn, not an assistant turn" in (
+        proc.stderr
+    )
+    assert "supervised warm-up" not in proc.stderr  # refused before the model was built and trained
