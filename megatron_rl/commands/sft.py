@@ -2,7 +2,7 @@
 
 It runs `warmup.sft_steps` steps on `warmup.data` (default `data.train`) exactly as `train` warms up, writes the
 model in Hugging Face format to `<trainer.output_dir>/warmup_model` and prints where: point `model.hf_path` of an
-RL run at it. A stopped or crashed run resumes mid-SFT from its checkpoints (`trainer.save_every` SFT steps).
+RL run at it. A stopped or crashed run resumes mid-SFT from its checkpoints (every `warmup.save_every` SFT steps).
 """
 
 from __future__ import annotations

@@ -370,6 +370,11 @@ class WarmupConfig:
     response_key: str = setting(
         "response", help="column of the SFT target response (unused for rows of chat messages); dotted for nested"
     )
+    save_every: int = setting(
+        100,
+        help="checkpoint the warm-up every N SFT steps (a crashed or stopped run resumes mid-SFT there); 0 = never",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -417,8 +422,8 @@ class TrainerConfig:
     output_dir: str = setting("runs/megatron_rl", help="checkpoints, the resolved config, logs and plots go here")
     save_every: int = setting(
         50,
-        help="save a checkpoint every N steps (and after the last); 0 = only the last. The warm-up also saves every "
-        "N SFT steps, and a resumed run continues it there",
+        help="save a checkpoint every N steps (and after the last); 0 = only the last (the warm-up's: "
+        "warmup.save_every)",
         ge=0,
     )
     keep_last: int = setting(2, help="checkpoints to keep; 0 = keep all", ge=0)

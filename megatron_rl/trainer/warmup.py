@@ -4,7 +4,7 @@
 The examples come from `PromptData.sft_pairs` (a built-in task's SFT split, or the user's rows through
 `rollout.sft_data`); example k of the stream depends on the seed and k only, so a warm-up resumed at step k
 continues with the examples it would have drawn. Each step's NLL goes to `sft_metrics.jsonl` (and `sft_nll.png`);
-every `trainer.save_every` steps, and at a stop with `trainer.save_on_interrupt`, a checkpoint of RL step 0 holds
+every `warmup.save_every` steps, and at a stop with `trainer.save_on_interrupt`, a checkpoint of RL step 0 holds
 the model, the optimizer and `sft_step`, from which a resumed run continues the warm-up.
 """
 
@@ -82,7 +82,7 @@ def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: dict, wher
     rank0 = dist.get_rank() == 0
     first = int(state.get("sft_step") or 0)
     log = SFTLog(where.output_dir, first_step=first) if rank0 else None
-    every = cfg.trainer.save_every
+    every = cfg.warmup.save_every
     last_saved = first if first else None
     stop = where.stop
     if stop is not None:
