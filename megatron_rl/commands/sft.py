@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     check_input_paths(cfg)  # model, tokenizer and data files exist: fail before the model is built
     from megatron_rl.trainer.run_dir import resume_command
     from megatron_rl.trainer.stop_signals import TrainingAborted
-    from megatron_rl.trainer.warmup import sft
+    from megatron_rl.trainer.warmup import SFT_PLOT, sft
 
     command = resume_command(cfg, args.config, args.overrides).replace("megatron-rl train ", "megatron-rl sft ", 1)
     try:
@@ -38,4 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sft/nll: {first['sft/nll']:.3f} (step {first['sft_step']}) -> {last['sft/nll']:.3f} "
               f"(step {last['sft_step']})")  # fmt: skip
     print(f"SFT model: {result.model_dir} (start RL from it with model.hf_path={result.model_dir})")
+    plot = result.output_dir / SFT_PLOT
+    if plot.is_file():
+        print(f"plot: {plot}")
     return 0
