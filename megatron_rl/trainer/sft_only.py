@@ -1,0 +1,92 @@
+"""`megatron-rl sft`: the warm-up of `train` run alone, without RL steps (the same code: `warmup.run_warmup`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rl.config.schema import RLConfig
+from megatron_rl.megatron_backend import checkpoint, platform
+from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
+from megatron_rl.megatron_backend.hf_weights import read_hf_config
+from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
+from megatron_rl.rollout.data import open_sft_source
+from megatron_rl.trainer import run_dir
+from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, load_tokenizer, prepare_model_dir
+from megatron_rl.trainer.rollout_phase import broadcast_object
+from megatron_rl.trainer.stop_signals import StopSignals
+from megatron_rl.trainer.warmup import SFT_METRICS, WarmupRun, check_warmup_data, read_sft_metrics, run_warmup
+
+
+@dataclass
+class SFTResult:
+    output_dir: Path
+    model_dir: Path | None  # the SFT model in HF format (None: stopped before the last step)
+    rows: list[dict[str, float]]  # sft_metrics.jsonl, earlier starts' rows included
+    stopped_by: int | None = None  # the signal that stopped the warm-up at a step boundary
+
+
+def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
+    """`megatron-rl sft`: the warm-up of `train` without RL, in `trainer.output_dir` (resumable from its mid-SFT
+    checkpoints); the model goes to `<output_dir>/warmup_model` in HF format, for `model.hf_path` of an RL run."""
+    if cfg.warmup.sft_steps < 1:
+        raise ValueError("megatron-rl sft needs warmup.sft_steps >= 1 (how many SFT steps), e.g. warmup.sft_steps=200")
+    output_dir = Path(cfg.trainer.output_dir)
+    run_dir.check_output_dir(output_dir)
+    platform.bridge_cpu()
+    checkpoint.start_checkpoint_writer()
+    command = resume_command or run_dir.resume_command(cfg, None).replace("megatron-rl train ", "megatron-rl sft ", 1)
+    with StopSignals(command) as stop:
+        model_dir = prepare_model_dir(cfg)
+        dims = model_dims(read_hf_config(model_dir))
+        init_distributed(
+            cfg.parallel,
+            seed=cfg.trainer.seed,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts,
+            num_attention_heads=dims.num_attention_heads,
+            num_query_groups=dims.num_query_groups,
+        )
+        rank0 = stop.announce = dist.get_rank() == 0
+        try:
+            plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
+            if isinstance(plan, Exception):
+                raise plan
+            if rank0:
+                run_dir.start_run(plan)
+            dist.barrier()
+            tokenizer = load_tokenizer(cfg, dims.vocab_size)
+            source = open_sft_source(cfg, tokenizer)
+            check_warmup_data(source, max_positions(read_hf_config(model_dir)))
+            actor = build_actor(cfg, model_dir)
+            state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
+            if plan.resume_from is not None:
+                state = checkpoint.load_checkpoint(actor, plan.resume_from)
+                if state.get("sft_done"):
+                    raise ValueError(
+                        f"{output_dir} holds an RL run past its warm-up (checkpoint {plan.resume_from.name}): "
+                        "megatron-rl sft needs a folder of its own; set trainer.output_dir to another folder"
+                    )
+            where = WarmupRun(output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
+            done = run_warmup(cfg, actor, source, state, where)
+            model_out = None
+            if done:
+                model_out = save_hf_checkpoint(
+                    actor, output_dir / WARMUP_MODEL, model_dir, bucket_mb=cfg.rollout.bucket_mb
+                )
+            rows = read_sft_metrics(output_dir / SFT_METRICS) if rank0 else []
+            return SFTResult(output_dir, model_out, rows, stopped_by=where.stopped_by)
+        finally:
+            shutdown()
+
+
+def _plan_or_error(cfg: RLConfig) -> Any:
+
+    try:
+        return run_dir.plan_run(cfg)
+    except ValueError as err:  # reported by every rank alike
+        return err
