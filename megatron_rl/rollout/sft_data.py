@@ -14,11 +14,12 @@ response are joined as they are and the response is followed by EOS.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.jsonl import read_jsonl
+from megatron_rl.data.readers import read_rows
+from megatron_rl.data.rows import MISSING, lookup
 from megatron_rl.rollout.synthetic_task import SFTPair
 
 MESSAGES_KEY = "messages"  # TRL's conversational SFT column, used when the prompt column is absent
@@ -41,9 +42,9 @@ def sft_example(
     the first trained one, `response_ids` the rest up to the last trained token, `loss_mask` 1 where a token trains."""
     response = lookup(row, response_key)
     prompt = lookup(row, prompt_key)
-    if prompt is _MISSING and prompt_key != MESSAGES_KEY and isinstance(row.get(MESSAGES_KEY), list):
+    if prompt is MISSING and prompt_key != MESSAGES_KEY and isinstance(row.get(MESSAGES_KEY), list):
         prompt, prompt_key = row[MESSAGES_KEY], MESSAGES_KEY
-    if prompt is _MISSING:
+    if prompt is MISSING:
         raise SFTDataError(
             f"{where}: no {prompt_key!r} column (the SFT prompt or chat messages: warmup.prompt_key, default "
             f"data.prompt_key) and no {MESSAGES_KEY!r} column; the row has {sorted(row)}"
@@ -51,7 +52,7 @@ def sft_example(
     if not apply_chat_template:
         return _plain_example(prompt, response, where, tokenizer, prompt_key, response_key)
     messages = _messages(prompt, where, prompt_key)
-    if response is not _MISSING and response is not None:
+    if response is not MISSING and response is not None:
         messages += _messages(response, where, response_key, role="assistant")
     if not messages or messages[-1]["role"] != "assistant":
         last = repr(messages[-1]["role"]) if messages else "no"
@@ -130,8 +131,8 @@ def _plain_example(
         raise SFTDataError(
             f"{where}: {prompt_key!r} is a {type(prompt).__name__}; chat messages need data.apply_chat_template=true"
         )
-    if response is _MISSING or not isinstance(response, str):
-        got = "no such column" if response is _MISSING else f"a {type(response).__name__}"
+    if response is MISSING or not isinstance(response, str):
+        got = "no such column" if response is MISSING else f"a {type(response).__name__}"
         raise SFTDataError(
             f"{where}: the SFT response {response_key!r} (warmup.response_key) must be text with "
             f"data.apply_chat_template=false ({got})"
@@ -152,26 +153,6 @@ def _messages(value: Any, where: str, key: str, *, role: str | None = None) -> l
             f"{where}: {key!r} must be text or a list of chat messages {{role, content}}, got {type(value).__name__}"
         )
     return [dict(m) for m in value]
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING: Any = _Missing()
-
-
-def lookup(row: Mapping[str, Any], key: str) -> Any:
-    """`row[key]`, where a dotted key reads nested columns (`reward_model.ground_truth`); `_MISSING` if absent."""
-    if key in row:
-        return row[key]
-    value: Any = row
-    for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
-        value = value[part]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------- a dataset
@@ -198,12 +179,12 @@ class SFTDataset:
         apply_chat_template: bool,
         seed: int,
     ) -> SFTDataset:
-        """Every row of a `.jsonl` / `.parquet` file as an SFT example (see `sft_example`)."""
+        """Every row of a data file or folder (`data.readers.read_rows`) as an SFT example (see `sft_example`)."""
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"SFT data {path} not found (warmup.data, default data.train)")
         examples, where = [], []
-        for name, row in _rows(path):
+        for name, row in read_rows(path):
             options = {"prompt_key": prompt_key, "response_key": response_key}
             examples.append(sft_example(row, name, tokenizer, apply_chat_template=apply_chat_template, **options))
             where.append(name)
@@ -235,15 +216,3 @@ class SFTDataset:
     def sft_pairs(self, n: int, *, start: int = 0) -> list[SFTPair]:
         """Examples `start` .. `start + n - 1` of the stream."""
         return [self.examples[self._order(k // len(self))[k % len(self)]] for k in range(start, start + n)]
-
-
-def _rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    """(where, row) for each row of `path`: `file:line` for JSONL, `file row N` for Parquet."""
-    if path.suffix == ".parquet":
-        from megatron_rl.rollout.prompts import _read_parquet
-
-        for number, row in _read_parquet(path):
-            yield f"{path} row {number}", row
-    else:
-        for number, row in read_jsonl(path):
-            yield f"{path}:{number}", row

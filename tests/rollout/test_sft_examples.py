@@ -137,3 +137,21 @@ def test_an_example_longer_than_the_model_is_refused_naming_it(tmp_path: Path, t
     with pytest.raises(SFTDataError, match=r"long.jsonl:2: the SFT example has 321 tokens, more than the model's 256 "
                        r"positions \(1 of 2 examples are too long\)"):  # fmt: skip
         data.check_lengths(256)
+
+
+def test_parquet_rows_with_chat_prompts_and_a_nested_response(tmp_path: Path, tokenizer):
+    """verl's layout: the prompt as chat messages, the target in a nested column (`warmup.response_key` dotted)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "extra_info": {"answer": f"a{i}"}} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    data = SFTDataset.from_file(
+        path, tokenizer, prompt_key="prompt", response_key="extra_info.answer", apply_chat_template=True, seed=0
+    )
+    assert sorted(p.answer for p in data.examples) == ["a0", "a1", "a2"]
+    assert data.where[1] == f"{path} row 2"
+    pair = data.examples[1]
+    assert _trained(pair) == _ids(tokenizer, "a1") + [tokenizer.eos_token_id]
+    assert tokenizer.decode(pair.prompt_ids) == "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n"
