@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,26 @@ def require_keys(row: Mapping[str, Any], keys: tuple[str, ...], where: str) -> N
     for key in keys:
         if key not in row:
             raise JsonlError(f"{where}: missing key {key!r} (has {sorted(row)})")
+
+
+def records_before_step(path: Path, first_step: int) -> list[dict[str, Any]]:
+    """The JSON records of a run log (`metrics.jsonl`, `samples.jsonl`, ...) whose integer `step` is below
+    `first_step`, in file order; a line cut off by a crash is skipped. Empty for a missing file."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a start killed while writing it
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
+            records.append(record)
+    return records
+
+
+def replace_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write `records` to `path` as JSON lines, atomically (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)

@@ -105,14 +105,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
         model_dir = prepare_model_dir(cfg)
         hf = read_hf_config(model_dir)
         dims = model_dims(hf)
-        init_distributed(
-            cfg.parallel,
-            seed=cfg.trainer.seed,
-            num_layers=dims.num_layers,
-            num_experts=dims.num_experts,
-            num_attention_heads=dims.num_attention_heads,
-            num_query_groups=dims.num_query_groups,
-        )
+        init_process_groups(cfg, dims)
         rank0 = stop.announce = dist.get_rank() == 0
         engines: list = []  # the rollout engine (and async mode's producer, first) once built: shut down however
         # the run ends
@@ -135,6 +128,18 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
             for engine in engines:
                 engine.shutdown()
             shutdown()
+
+
+def init_process_groups(cfg: RLConfig, dims: ModelDims) -> None:
+    """torch.distributed and Megatron's parallel state for `cfg.parallel` on the model `dims` describes."""
+    init_distributed(
+        cfg.parallel,
+        seed=cfg.trainer.seed,
+        num_layers=dims.num_layers,
+        num_experts=dims.num_experts,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+    )
 
 
 def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import LoggingConfig, RLConfig
+from megatron_rl.jsonl import records_before_step, replace_jsonl
 from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.trainer.plots import write_plots
 from megatron_rl.trainer.sample_log import SampleLog, wandb_table
@@ -25,20 +26,10 @@ def restore_history(path: Path, first_step: int) -> list[dict[str, float]]:
     A resumed run logs again from its checkpoint's step + 1, so later rows (written after the checkpoint by a
     start that crashed or was interrupted) go; a row cut off by a crash is dropped; each step is kept once (the
     last row written for it), in step order. The file is replaced atomically."""
-    if not path.is_file():
-        return []
-    rows: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a start killed while writing it
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
-            rows[record["step"]] = record
+    rows = {record["step"]: record for record in records_before_step(path, first_step)}  # the last row of a step
     kept = [rows[step] for step in sorted(rows)]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+    if path.is_file():
+        replace_jsonl(path, kept)
     return kept
 
 

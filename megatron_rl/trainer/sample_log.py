@@ -13,12 +13,12 @@ each, and so on, so the rows spread over the step's prompts; no randomness, the 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import DataConfig, LoggingConfig
+from megatron_rl.jsonl import records_before_step, replace_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 EVAL_SAMPLES_FILE = "eval_samples.jsonl"
@@ -84,17 +84,8 @@ def cut_back(path: Path, first_step: int) -> int:
     crash goes; the file is replaced atomically. A resumed run writes its steps again. Returns the rows kept."""
     if not path.is_file():
         return 0
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a start killed while writing it
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    kept = records_before_step(path, first_step)
+    replace_jsonl(path, kept)
     return len(kept)
 
 

@@ -10,13 +10,13 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import checkpoint, platform
-from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+from megatron_rl.megatron_backend.distributed import shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
 from megatron_rl.rollout.data import open_sft_source
 from megatron_rl.trainer import run_dir
-from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, load_tokenizer, prepare_model_dir
+from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, init_process_groups, load_tokenizer, prepare_model_dir
 from megatron_rl.trainer.rollout_phase import broadcast_object
 from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.warmup import SFT_METRICS, WarmupRun, check_warmup_data, read_sft_metrics, run_warmup
@@ -43,14 +43,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
     with StopSignals(command) as stop:
         model_dir = prepare_model_dir(cfg)
         dims = model_dims(read_hf_config(model_dir))
-        init_distributed(
-            cfg.parallel,
-            seed=cfg.trainer.seed,
-            num_layers=dims.num_layers,
-            num_experts=dims.num_experts,
-            num_attention_heads=dims.num_attention_heads,
-            num_query_groups=dims.num_query_groups,
-        )
+        init_process_groups(cfg, dims)
         rank0 = stop.announce = dist.get_rank() == 0
         try:
             plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
@@ -85,7 +78,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
 
 
 def _plan_or_error(cfg: RLConfig) -> Any:
-
+    """How this start uses output_dir, or the error every rank reports."""
     try:
         return run_dir.plan_run(cfg)
     except ValueError as err:  # reported by every rank alike
