@@ -22,6 +22,9 @@ SHAPES = dict(
     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, max_position_embeddings=256,
     tie_word_embeddings=False,
 )  # fmt: skip
+# The runs pair these models with the tiny char tokenizer (megatron_rl.tiny_model): the config's special-token ids
+# must be its ids, as the trainer's tokenizer guard checks (DeepseekV3Config's defaults are bos 0, eos 1).
+CHAR_TOKENIZER_IDS = dict(bos_token_id=None, eos_token_id=2, pad_token_id=3)
 YARN = dict(
     rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
     beta_slow=1.0, mscale=0.8, mscale_all_dim=0.7,
@@ -37,7 +40,9 @@ def build_tiny_deepseek_v3(path: Path, *, q_lora_rank: int | None, seed: int = 0
 
     rope = YARN if q_lora_rank else dict(rope_type="default", rope_theta=50000.0)
     eps = 1e-6 if q_lora_rank else 1e-2
-    config = DeepseekV3Config(**SHAPES, q_lora_rank=q_lora_rank, rope_parameters=rope, rms_norm_eps=eps)
+    config = DeepseekV3Config(
+        **SHAPES, q_lora_rank=q_lora_rank, rope_parameters=rope, rms_norm_eps=eps, **CHAR_TOKENIZER_IDS
+    )
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():
