@@ -170,8 +170,9 @@ def test_sft_command_writes_a_loadable_hf_model(model_dir: Path, tmp_path: Path)
 def test_the_gsm8k_example_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path, seed: int):
     """The whole example (300 SFT steps, 60 GRPO steps, 256 held-out problems): the warm-up gives a partly-right
     model and GRPO with the gsm8k reward raises its greedy accuracy. Measured 2026-12-02 on 2 CPU cores (seeds
-    1234 / 1 / 2): 0.473 / 0.590 / 0.566 -> 0.684 / 0.801 / 0.754, rises 0.19-0.21; the bound 0.08 is under half of
-    the smallest, and a zeroed RL loss keeps the warmed-up model's greedy accuracy exactly (rise 0)."""
+    1234 / 1 / 2): 0.473 / 0.590 / 0.566 -> 0.684 / 0.801 / 0.754, rises 0.19-0.21 on this CPU's kernels; seed 1234
+    on the avx2 / no-SIMD kernels rose 0.141 / 0.102 (docs/testing.md). The bound 0.04 is under half of the smallest,
+    and a zeroed RL loss keeps the warmed-up model's greedy accuracy exactly (rise 0; sign-flipped: 0.47 -> 0.04)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [*CLI, "train", str(EXAMPLE), f"trainer.output_dir={out}", f"model.hf_path={tmp_path / 'model'}",
@@ -181,7 +182,7 @@ def test_the_gsm8k_example_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     accuracy = [r["eval/accuracy"] for r in _rl_rows(out) if "eval/accuracy" in r]
     assert 0.25 <= accuracy[0] <= 0.8, accuracy  # after SFT: partly right
-    assert accuracy[-1] >= accuracy[0] + 0.08, accuracy
+    assert accuracy[-1] >= accuracy[0] + 0.04, accuracy
 
 
 def test_a_row_without_a_response_is_refused_before_the_model_build(model_dir: Path, tmp_path: Path):
