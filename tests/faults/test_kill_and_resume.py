@@ -247,6 +247,7 @@ def test_ctrl_c_under_torchrun_stops_cleanly_and_its_command_resumes(
         assert got == {k: pytest.approx(v, rel=1e-6, abs=1e-9) for k, v in want.items()}, got["step"]
 
 
+@pytest.mark.slow  # the default tier's torchrun Ctrl-C test covers the stop; this adds only the wrapper's line
 @pytest.mark.torchrun
 def test_the_slurm_templates_torchrun_stops_without_a_traceback(
     fault_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

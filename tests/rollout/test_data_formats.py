@@ -366,6 +366,7 @@ def test_a_datasetdict_folder_is_refused_before_the_model_is_built(tmp_path: Pat
     assert not model.exists()
 
 
+@pytest.mark.slow  # the Mixture's own resume test (default tier) covers the positions; this adds the trainer's path
 def test_a_mixture_run_resumes_with_the_same_prompts(model_dir: Path, tmp_path: Path):
     """3 steps on a 2-file mixture, and the same run stopped after step 1 and resumed: steps 2 and 3 draw the same
     prompts from the same files (the checkpoint holds the mixture's draw count and each file's position)."""
