@@ -1,0 +1,1 @@
+"""Evaluation of a policy on held-out datasets: per-dataset metrics (mean@k, pass@k, maj@k) and their runner."""
