@@ -14,7 +14,7 @@ from typing import Any
 from megatron_rl.config.schema import LoggingConfig, RLConfig
 from megatron_rl.jsonl import records_before_step, replace_jsonl
 from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.trainer.plots import write_plots
+from megatron_rl.trainer.plots import eval_headlines, series_label, write_plots
 from megatron_rl.trainer.sample_log import SampleLog, wandb_table
 
 logger = logging.getLogger(__name__)
@@ -169,6 +169,9 @@ class RunLog:
         ):
             if key in m and math.isfinite(m[key]):
                 parts.append(f"{label} {m[key]:{fmt}}")
+            if key == "eval/accuracy":  # then each evaluation dataset's headline: "gsm8k mean@4 0.412"
+                headlines = eval_headlines(k for k, v in m.items() if math.isfinite(v))
+                parts += [f"{series_label(k)} {m[k]:.3f}" for k in headlines.values()]
         parts.append(f"eta {_duration(eta)}")
         return " | ".join(parts)
 
