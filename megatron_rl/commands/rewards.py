@@ -1,4 +1,5 @@
-"""`megatron-rl rewards`: every registered reward with what it scores, and the signatures `data.reward` accepts."""
+"""`megatron-rl rewards`: every registered reward with where it runs, whether evaluation can report maj@k with it (it
+exposes `extract_answer`), what it scores, and the signatures `data.reward` accepts."""
 
 from __future__ import annotations
 
@@ -36,19 +37,22 @@ def run(args: argparse.Namespace) -> int:
     first_name: dict[int, str] = {}  # function -> the first name it was registered under (later ones are aliases)
     for name in REWARD_FUNCTIONS:
         first_name.setdefault(id(get_reward(name)), name)
-    rows = [("name", "where it runs", "what it scores")]
+    rows = [("name", "where it runs", "maj@k", "what it scores")]
     for name in sorted(REWARD_FUNCTIONS):
         fn = get_reward(name)
         where = "inline" if name in INLINE_REWARDS else "worker process"
         if name in REQUIRED_MODULES:
             where += f", needs {REQUIRED_MODULES[name]}"
         primary = first_name[id(fn)]
-        rows.append((name, where, summary(fn) if primary == name else f"an alias of {primary}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    for name, where, what in rows:
-        print(f"{name:<{widths[0]}}  {where:<{widths[1]}}  {what}")
+        votes = "yes" if callable(getattr(fn, "extract_answer", None)) else "no"
+        rows.append((name, where, votes, summary(fn) if primary == name else f"an alias of {primary}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for name, where, votes, what in rows:
+        print(f"{name:<{widths[0]}}  {where:<{widths[1]}}  {votes:<{widths[2]}}  {what}")
     print("\ndata.reward: one of these names, an import path 'package.module:function', or a list of")
     print("{name, weight, options} summed with their weights (options: keyword arguments of every call).")
+    print("maj@k yes: the function has an attribute extract_answer(text) -> str | None, the answer majority")
+    print("voting counts; give your own one by `my_reward.extract_answer = my_extractor`.")
     print("A function is recognised by its signature:")
     for signature, meaning in SIGNATURES:
         print(f"  {signature:<52}  {meaning}")

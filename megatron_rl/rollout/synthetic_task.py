@@ -46,6 +46,14 @@ def synthetic_reward(sample: Sample, text: str, metadata: Mapping[str, Any]) -> 
     return float(sample.finish_reason == "stop" and text.strip() == metadata["answer"])
 
 
+def synthetic_answer(text: str) -> str | None:
+    """The reward's answer for maj@k: the stripped response; None when it is empty."""
+    return text.strip() or None
+
+
+synthetic_reward.extract_answer = synthetic_answer  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class SFTPair:
     """A supervised warm-up example; `response_ids` are the answer's tokens followed by EOS (or, for a multi-turn

@@ -47,10 +47,10 @@ def prompt_text(a: int, b: int) -> str:
     return f"{a}*{b}="
 
 
-def final_answer(sample: Sample, text: str) -> str:
-    """The final turn's text without special tokens: `metadata["turn_texts"][-1]` (multi-turn rollouts), else the
-    last line of the response (an observation of the compact format ends with a newline)."""
-    turn_texts = sample.metadata.get("turn_texts")
+def final_answer(sample: Sample | None, text: str) -> str:
+    """The final turn's text without special tokens: `metadata["turn_texts"][-1]` (multi-turn rollouts), else (or
+    without a sample) the last line of the response (an observation of the compact format ends with a newline)."""
+    turn_texts = sample.metadata.get("turn_texts") if sample is not None else None
     last = turn_texts[-1] if turn_texts else text.rsplit("\n", 1)[-1]
     return _SPECIAL_TOKEN.sub("", last).strip()
 
@@ -58,6 +58,15 @@ def final_answer(sample: Sample, text: str) -> str:
 def tool_task_reward(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
     """1.0 if the final turn is exactly the product and the trajectory ended with a stop token, else 0.0."""
     return float(sample.finish_reason == "stop" and final_answer(sample, text) == metadata["answer"])
+
+
+def tool_task_answer(text: str, *, sample: Sample | None = None) -> str | None:
+    """The reward's answer for maj@k: `final_answer(sample, text)` (`sample` gives the turn texts; without it, the
+    response's last line); None when it is empty."""
+    return final_answer(sample, text) or None
+
+
+tool_task_reward.extract_answer = tool_task_answer  # type: ignore[attr-defined]
 
 
 class ToolTask(SyntheticTask):

@@ -2,7 +2,9 @@
 math-verify, DAPO's "Answer:" line (+1 / -1), `auto` routing by the row's `data_source` (verl's names), and the
 lenient `math_answer`.
 
-Each is `fn(sample, text, metadata) -> float` with the reference in `metadata["answer"]`.
+Each is `fn(sample, text, metadata) -> float` with the reference in `metadata["answer"]`, and exposes
+`fn.extract_answer(text) -> str | None`: the response's final answer in a canonical form, the key maj@k votes on
+(`RewardSet.extract_answer`); None when the response states none.
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ def gsm8k_answer(text: str, *, strict: bool = False) -> str | None:
     return found[-1] if found else None
 
 
+def canonical_gsm8k_answer(text: str, *, strict: bool = False) -> str | None:
+    """gsm8k's answer (`gsm8k_answer`) as a canonical number, so that '1,000', '$1000' and '1000.0' all give '1000'
+    (the reward compares them as equal decimals); None when there is none."""
+    answer = gsm8k_answer(text, strict=strict)
+    value = _decimal(answer)
+    if value is None:
+        return answer
+    return "0" if value == 0 else format(value.normalize(), "f")
+
+
+gsm8k.extract_answer = canonical_gsm8k_answer
+
+
 def _decimal(s: str | None) -> Decimal | None:
     if s is None:
         return None
@@ -72,6 +87,23 @@ def math_reward(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float
 
 
 register_reward("math_verify", requires="math_verify")(math_reward)
+
+# LaTeX that never changes an answer: \left / \right (not \leftarrow), spacing commands, whitespace.
+_LATEX_SPACING = re.compile(r"\\(?:left|right)(?![A-Za-z])|\\[!,;: ]|\s+")
+
+
+def canonical_boxed_answer(text: str) -> str | None:
+    """The last `\\boxed{}`'s content lightly normalised for voting: whitespace, `\\left` / `\\right`, spacing commands
+    (`\\!`, `\\,`, ...) and a trailing '.' removed, `\\dfrac` / `\\tfrac` as `\\frac`; None without a boxed answer.
+    Answers that math-verify equates but that are written differently (`0.5` and `\\frac{1}{2}`) vote apart."""
+    boxed = last_boxed(text)
+    if boxed is None:
+        return None
+    answer = _LATEX_SPACING.sub("", boxed).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".")
+    return answer or None
+
+
+math_reward.extract_answer = canonical_boxed_answer
 
 
 def math_equal(predicted: str, reference: str) -> bool:
@@ -164,6 +196,16 @@ def normalize_final_answer(answer: str) -> str:
     return answer.strip()
 
 
+def canonical_dapo_answer(text: str) -> str | None:
+    """dapo's answer as the reward compares it: the last "Answer: X" line of the last 300 characters, normalised by
+    `normalize_final_answer`; None without one."""
+    found = _ANSWER_LINE.findall(text[-300:])
+    return (normalize_final_answer(found[-1]) or None) if found else None
+
+
+dapo.extract_answer = canonical_dapo_answer
+
+
 # ---------------------------------------------------------------------------------------------- auto
 # verl's default_compute_score names: data_source -> reward. A closed table: any other source is refused.
 AUTO_ROUTES: dict[str, str] = {
@@ -192,6 +234,26 @@ def auto(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
     if name is None:
         raise ValueError(f"reward auto: data_source {source!r} is not in its table ({_table()})")
     return _ROUTED[name](sample, text, metadata)
+
+
+def canonical_routed_answer(text: str, *, sample: Sample | None = None) -> str | None:
+    """The canonical answer of the reward that `sample`'s `data_source` routes to (`auto`'s table); it needs
+    `sample=`, as `RewardSet.extract_answer` passes it."""
+    if sample is None:
+        raise ValueError("reward auto's extract_answer picks its reward by the row's data_source: pass sample=")
+    source = sample.metadata.get("data_source")
+    name = route_data_source(source)
+    if name is None:
+        raise ValueError(f"reward auto: data_source {source!r} is not in its table ({_table()})")
+    return _ROUTED_ANSWERS[name](text)
+
+
+_ROUTED_ANSWERS: dict[str, Callable[[str], str | None]] = {
+    "gsm8k": canonical_gsm8k_answer,
+    "math": canonical_boxed_answer,
+    "dapo": canonical_dapo_answer,
+}
+auto.extract_answer = canonical_routed_answer
 
 
 def route_data_source(source: object) -> str | None:
@@ -256,6 +318,22 @@ def extract_final_answer(text: str) -> str | None:
         return stated[-1].strip().rstrip(".").strip()
     numbers = _NUMBER.findall(text)
     return numbers[-1].strip() if numbers else None
+
+
+def canonical_math_answer(text: str) -> str | None:
+    """math_answer's final answer (`extract_final_answer`) as the reward compares it: a number ('1/2', '\\frac{1}{2}'
+    and '0.5' give '0.5'; 12 significant digits) when it parses as one, else the normalised string; None without
+    one."""
+    answer = extract_final_answer(text)
+    if answer is None:
+        return None
+    number = _as_number(answer)
+    if number is not None:
+        return f"{number + 0.0:.12g}"  # + 0.0: -0.0 votes with 0.0
+    return _normalise(answer) or None
+
+
+math_answer.extract_answer = canonical_math_answer
 
 
 def answers_match(predicted: str, reference: str) -> bool:

@@ -2,6 +2,9 @@
 
 `register_reward(name, inline=True)` marks a reward that cannot hang (pure string checks): it is scored in the
 calling thread, with no worker process and no timeout. Every other reward runs in a killable worker process.
+
+A reward may expose `fn.extract_answer(text) -> str | None`, its final answer in a canonical form (the key maj@k
+votes on; None: no answer); `RewardSet.extract_answer` documents the call.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def get_reward(name: str | Callable[..., Any]) -> Callable[..., Any]:
 def exact_match(sample: Sample, text: str, metadata: Mapping[str, Any]) -> float:
     """1.0 if the stripped response equals the stripped reference answer."""
     return float(text.strip() == str(metadata["answer"]).strip())
+
+
+def stripped_answer(text: str) -> str | None:
+    """exact_match's answer for maj@k: the stripped response; None when it is empty."""
+    return text.strip() or None
+
+
+exact_match.extract_answer = stripped_answer
 
 
 register_reward("synthetic", inline=True)("megatron_rl.rollout.synthetic_task:synthetic_reward")

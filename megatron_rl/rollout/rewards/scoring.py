@@ -11,6 +11,7 @@ once per function).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import pickle
@@ -114,6 +115,7 @@ class RewardSet:
         self.parts = tuple(parts)
         self.failure_limit = failure_limit
         self.answer_column = answer_column
+        self._extractor = _answer_extractor(self.parts)
 
     @classmethod
     def from_specs(
@@ -135,6 +137,33 @@ class RewardSet:
                 fn, spec = spec, RewardSpec(_label(spec))
             parts.append(_part(spec, {p.name for p in parts}, fn))
         return cls(parts, failure_limit=failure_limit, answer_column=answer_column)
+
+    @property
+    def extracts_answers(self) -> bool:
+        """Whether a part's function exposes `extract_answer` (then evaluation reports maj@k)."""
+        return self._extractor is not None
+
+    def extract_answer(self, sample: Sample, text: str) -> str | None:
+        """The response's final answer in canonical form, the key maj@k votes on: `fn.extract_answer(text)` of the
+        first part (in list order) whose function has one, called with `sample=` when it names that parameter and
+        with the part's options it names (gsm8k's `strict`); None when no part has one or it finds no answer. It runs
+        here, without the reward's timeout. A ValueError names the reward when it raises or returns a non-string."""
+        if self._extractor is None:
+            return None
+        part, extract, takes_sample, options = self._extractor
+        keywords = {**options, "sample": sample} if takes_sample else dict(options)
+        try:
+            answer = extract(text, **keywords)
+        except Exception as err:  # noqa: BLE001 - user code raises anything; named, not swallowed
+            raise ValueError(
+                f"reward {part.label!r}: extract_answer raised {type(err).__name__}: {_one_line(str(err), 200)}"
+            ) from err
+        if answer is not None and not isinstance(answer, str):
+            raise ValueError(
+                f"reward {part.label!r}: extract_answer returned {_shown(answer, 40)} ({type(answer).__name__}); "
+                "return the answer as a str, or None when there is none"
+            )
+        return answer
 
     @property
     def routes_by_data_source(self) -> bool:
@@ -276,6 +305,39 @@ def _part(spec: RewardSpec, taken: set[str], fn: Callable[..., Any] | None = Non
                 spec.name,
             )
     return RewardPart(_metric_name(spec.name, taken), spec.name, fn, spec.weight, spec.options, style, runner)
+
+
+_Extractor = tuple[RewardPart, Callable[..., Any], bool, Mapping[str, Any]]  # part, function, takes sample=, options
+
+
+def _answer_extractor(parts: Sequence[RewardPart]) -> _Extractor | None:
+    """The first part whose function has `extract_answer`, with what to pass it (see `RewardSet.extract_answer`)."""
+    for part in parts:
+        extract = getattr(part.fn, "extract_answer", None)
+        if extract is None:
+            continue
+        if not callable(extract):
+            raise ValueError(
+                f"reward {part.label!r}: its extract_answer is a {type(extract).__name__}; set it to a function "
+                "(text) -> str | None"
+            )
+        try:
+            signature = inspect.signature(extract)
+        except (TypeError, ValueError):  # a builtin without a signature: the text only
+            return part, extract, False, {}
+        named = signature.parameters
+        anything = any(p.kind == p.VAR_KEYWORD for p in named.values())
+        takes_sample = anything or "sample" in named
+        options = {k: v for k, v in part.options.items() if anything or k in named}
+        try:
+            signature.bind("", **options, **({"sample": None} if takes_sample else {}))
+        except TypeError as err:
+            raise ValueError(
+                f"reward {part.label!r}: its extract_answer{signature} cannot be called as extract_answer(text) "
+                f"({err}); write it as (text, *, sample=None) -> str | None"
+            ) from err
+        return part, extract, takes_sample, options
+    return None
 
 
 def _picklable(fn: Callable[..., Any], options: Mapping[str, Any]) -> bool:
