@@ -42,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
         # as a failed worker (a ChildFailedError report) when the signal reached the workers only.
         return 0 if under_torchrun() else 128 + result.stopped_by
     if result.history:
+        from megatron_rl.trainer.plots import eval_headlines
+
         last = result.history[-1]
-        for key in ("eval/accuracy", "rollout/reward_mean"):
+        headlines = eval_headlines({k for row in result.history for k in row}).values()
+        for key in ("eval/accuracy", *headlines, "rollout/reward_mean"):
             before = next((r[key] for r in result.history if key in r), None)
             if before is not None and key in last:
                 print(f"{key}: {before:.3f} (first) -> {last[key]:.3f} (last)")

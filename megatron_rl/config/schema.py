@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -302,6 +303,32 @@ class RewardSpec:
 
 
 @dataclass(frozen=True)
+class EvalSet:
+    """One evaluation dataset (`data.eval: [{name, path, ...}, ...]`), scored every `data.eval_every` steps with
+    its own sampling settings; its metrics are logged as `eval/<name>/<metric>`."""
+
+    name: str = setting(help="the dataset's name in the metric keys (eval/<name>/mean@4) and eval_samples.jsonl")
+    path: str = setting(
+        help="a JSONL / Parquet / .arrow file, a Hugging Face `datasets` folder (save_to_disk), or a built-in task"
+    )
+    reward: str | tuple[RewardSpec, ...] | None = setting(
+        None, help="its reward (a name, an import path, or a list of {name, weight, options}); null = data.reward"
+    )
+    n_samples: int = setting(
+        1, help="responses per prompt (k of mean@k); above 1 needs a temperature above 0", ge=1
+    )
+    temperature: float = setting(0.0, help="sampling temperature; 0 = greedy (then `accuracy` is logged)", ge=0)
+    top_p: float = setting(1.0, help="nucleus sampling mass", gt=0, le=1)
+    max_new_tokens: int | None = setting(None, help="response length cap; null = rollout.sampling.max_new_tokens")
+    prompts: int | None = setting(None, help="the first N prompts of the dataset; null = data.eval_prompts")
+    pass_k: tuple[int, ...] | None = setting(
+        None, help="the k of pass@k and maj@k, each <= n_samples; null = the powers of 2 up to n_samples, and n_samples"
+    )
+    prompt_key: str | None = setting(None, help="column holding the prompt; null = data.prompt_key")
+    answer_key: str | None = setting(None, help="column holding the reference answer; null = data.answer_key")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompts, answers and the reward."""
 
@@ -311,8 +338,12 @@ class DataConfig:
         "(a mixture), or a built-in task: 'synthetic' (reverse digits, the demo) or 'synthetic_tool' "
         "(multiplication with a calculator tool; rollout.env: tools)",
     )
-    eval: str | None = setting(
-        None, help="evaluation prompts (a file or folder as in data.train, or a built-in task); null = no evaluation"
+    eval: str | tuple[EvalSet, ...] | None = setting(
+        None,
+        help="evaluation data: a file or folder as in data.train or a built-in task (greedy, data.eval_prompts "
+        "prompts, logged as eval/accuracy), or a list of datasets {name, path, reward, n_samples, temperature, "
+        "top_p, max_new_tokens, prompts, pass_k, prompt_key, answer_key} (mean@k, pass@k, maj@k per dataset as "
+        "eval/<name>/<metric>); null = no evaluation",
     )
     prompt_key: str = setting(
         "prompt",
@@ -350,6 +381,24 @@ class DataConfig:
     def reward_specs(self) -> tuple[RewardSpec, ...]:
         """`reward` as a list of {name, weight, options} (one name: weight 1, no options)."""
         return (RewardSpec(self.reward),) if isinstance(self.reward, str) else self.reward
+
+    def eval_sets(self) -> tuple[EvalSet, ...]:
+        """`eval` as a list of datasets; the one-dataset form is one greedy set of `eval_prompts` prompts named
+        after its file (or built-in task), with the run's reward and keys. None: no evaluation."""
+        if self.eval is None:
+            return ()
+        if isinstance(self.eval, str):
+            return (EvalSet(name=eval_set_name(self.eval), path=self.eval, prompts=self.eval_prompts),)
+        return self.eval
+
+    def eval_is_list(self) -> bool:
+        """Whether `eval` is the list form (metrics keyed eval/<name>/...; the one-dataset form keeps eval/...)."""
+        return isinstance(self.eval, tuple)
+
+
+def eval_set_name(path: str) -> str:
+    """The name of a one-dataset `data.eval`: a built-in task's name, else the file's (folder's) stem."""
+    return Path(path.rstrip("/")).stem or path
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.kernels import packed_gspo_applies
 from megatron_rl.megatron_backend.models.architecture import is_moe
 
@@ -75,7 +75,9 @@ def check_input_paths(cfg: RLConfig) -> None:
         )
     from megatron_rl.rollout.data import SYNTHETIC_TASKS
 
-    inputs = [("data.train", s.path) for s in cfg.data.train_sources()] + [("data.eval", cfg.data.eval)]
+    inputs: list[tuple[str, str | None]] = [("data.train", s.path) for s in cfg.data.train_sources()]
+    listed = cfg.data.eval_is_list()
+    inputs += [(f"data.eval[{i}].path" if listed else "data.eval", e.path) for i, e in enumerate(cfg.data.eval_sets())]
     inputs.append(("warmup.data", cfg.warmup.data))
     from megatron_rl.data.readers import DataFileError, data_files
 
@@ -288,6 +290,46 @@ def _check_data(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             errors.append(
                 f"data.reward={spec.name!r} is neither a reward name nor an import path 'package.module:function'"
             )
+    if data.eval_is_list():
+        _check_eval_sets(data.eval_sets(), errors)
+
+
+_EVAL_NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")
+
+
+def _check_eval_sets(sets: tuple[EvalSet, ...], errors: list[str]) -> None:
+    """The list form of data.eval: unique names usable in metric keys, sampling that can give n different
+    responses, pass_k within n."""
+    if not sets:
+        errors.append("data.eval is an empty list: list at least one dataset {name, path}, or set data.eval=null")
+    seen: set[str] = set()
+    for i, e in enumerate(sets):
+        key = f"data.eval[{i}]"
+        if not _EVAL_NAME.match(e.name):
+            errors.append(f"{key}.name={e.name!r}: use letters, digits and _ . - @ (it becomes eval/<name>/<metric>)")
+        if e.name in seen:
+            errors.append(f"{key}.name={e.name!r} is used twice: give each evaluation dataset its own name")
+        seen.add(e.name)
+        if e.n_samples > 1 and e.temperature == 0:
+            errors.append(
+                f"{key} ({e.name}): n_samples={e.n_samples} at temperature 0 gives {e.n_samples} copies of the greedy "
+                "response; set a temperature above 0 (e.g. 0.6 or 1.0) or n_samples=1"
+            )
+        for k in e.pass_k or ():
+            if not 1 <= k <= e.n_samples:
+                errors.append(
+                    f"{key} ({e.name}): pass_k has k={k} but n_samples={e.n_samples}; pass@k needs 1 <= k <= n: "
+                    f"lower the k or raise n_samples"
+                )
+        if e.prompts is not None and e.prompts < 1:
+            errors.append(f"{key} ({e.name}): prompts={e.prompts}; evaluate at least 1 (null = data.eval_prompts)")
+        if e.max_new_tokens is not None and e.max_new_tokens < 1:
+            errors.append(f"{key} ({e.name}): max_new_tokens={e.max_new_tokens} must be >= 1 (null = the rollout's)")
+        for spec in (RewardSpec(e.reward),) if isinstance(e.reward, str) else e.reward or ():
+            if not _REWARD.match(spec.name):
+                errors.append(
+                    f"{key}.reward={spec.name!r} is neither a reward name nor an import path 'package.module:function'"
+                )
 
 
 def _check_trainer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:

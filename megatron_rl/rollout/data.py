@@ -30,16 +30,16 @@ class PromptData:
             from megatron_rl.rollout.prompts import PromptIterator
 
             # Dataset k draws its epochs with seed + k; one dataset keeps the plain iterator (and its state format).
-            datasets = [self._load_prompts(s.path) for s in sources]
+            keys = cfg.data.prompt_key, cfg.data.answer_key
+            datasets = [self._load_prompts(s.path, prompt_key=keys[0], answer_key=keys[1]) for s in sources]
             iterators = [PromptIterator(p, seed=cfg.trainer.seed + k) for k, p in enumerate(datasets)]
             self.train_prompts = [p for d in datasets for p in d]
             weights = [s.weight for s in sources]
             mixture = len(iterators) > 1
             self.train_iter = Mixture(iterators, weights, seed=cfg.trainer.seed) if mixture else iterators[0]
             self.stream = self.train_iter
-        self._eval: list[Any] | None = None
-        if cfg.data.eval and cfg.data.eval not in SYNTHETIC_TASKS:
-            self._eval = self._load_prompts(cfg.data.eval)
+        # Each evaluation dataset's prompts (data.eval; the first `prompts` rows), by name.
+        self._eval: dict[str, list[Any]] = {e.name: self._eval_rows(e) for e in cfg.data.eval_sets()}
         data_sources = getattr(self, "data_sources", None)  # `auto` refuses rows it cannot route, at start-up
         if data_sources is not None and self.reward_fn.routes_by_data_source:
             self.reward_fn.check_data_sources(data_sources())
@@ -75,40 +75,47 @@ class PromptData:
             generate=self.generate,
         )
 
-    def eval_prompts(self, n: int):
-        if self.cfg.data.eval in SYNTHETIC_TASKS:
-            task = self.task
-            if task is None or self.cfg.data.eval != self.cfg.data.train_sources()[0].path:
-                task = _synthetic(self, self.cfg.data.eval)
-            return task.eval_prompts(n)
-        if self._eval is None:
-            raise ValueError("data.eval is not set: no evaluation prompts")
-        return self._eval[:n]
+    def eval_prompts(self, name: str) -> list[Any]:
+        """The prompts of the evaluation dataset `name` (`data.eval`)."""
+        if name not in self._eval:
+            raise ValueError(f"no evaluation dataset named {name!r}: data.eval has {sorted(self._eval)}")
+        return self._eval[name]
 
-    def _load_prompts(self, path: str) -> list[Any]:
+    def _eval_rows(self, spec: Any) -> list[Any]:
+        n = spec.prompts or self.cfg.data.eval_prompts
+        if spec.path in SYNTHETIC_TASKS:
+            task = self.task if spec.path == self.cfg.data.train_sources()[0].path else None
+            return (task or _synthetic(self, spec.path)).eval_prompts(n)
+        data = self.cfg.data
+        answer_key = spec.answer_key if spec.answer_key is not None else data.answer_key
+        return self._load_prompts(spec.path, prompt_key=spec.prompt_key or data.prompt_key, answer_key=answer_key)[:n]
+
+    def _load_prompts(self, path: str, *, prompt_key: str, answer_key: str | None) -> list[Any]:
+        """The rows of `path` as prompts (`prompts.load_prompts`)."""
         from megatron_rl.rollout.prompts import load_prompts
 
-        data = self.cfg.data
         return load_prompts(
             path,
             self.tokenizer,
-            prompt_key=data.prompt_key,
-            answer_key=data.answer_key,
-            apply_chat_template=data.apply_chat_template,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            apply_chat_template=self.cfg.data.apply_chat_template,
         )
 
     def _file_prompts(self) -> list[Any]:
         """The training and evaluation prompts read from files (none for the built-in tasks)."""
-        return self.train_prompts + (self._eval or [])
+        files = [e.name for e in self.cfg.data.eval_sets() if e.path not in SYNTHETIC_TASKS]
+        return self.train_prompts + [p for name in files for p in self._eval[name]]
 
     def data_sources(self) -> set[str]:
         """The distinct `data_source` values of the training and evaluation rows (rows without one add nothing)."""
         return {str(p.metadata["data_source"]) for p in self._file_prompts() if p.metadata.get("data_source")}
 
-    def longest_prompt(self) -> tuple[int, str]:
-        """The most tokens of any training or evaluation prompt and where it is (`"train.parquet row 17"`);
-        (0, "") for the built-in tasks."""
-        return max(((len(p.token_ids), p.origin) for p in self._file_prompts()), key=lambda t: t[0], default=(0, ""))
+    def longest_prompt(self, eval_set: str | None = None) -> tuple[int, str]:
+        """The most tokens of any training or evaluation prompt (of the evaluation dataset `eval_set` alone, if
+        given) and where it is (`"train.parquet row 17"`); (0, "") for the built-in tasks."""
+        prompts = self._file_prompts() if eval_set is None else self._eval[eval_set]
+        return max(((len(p.token_ids), p.origin) for p in prompts), key=lambda t: t[0], default=(0, ""))
 
     def sft_source(self) -> Any:
         """The warm-up's examples (`open_sft_source`: `warmup.data`, default `data.train`), read on first use."""

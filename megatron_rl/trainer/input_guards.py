@@ -91,3 +91,13 @@ def check_positions(cfg: RLConfig, data: Any, max_positions: int) -> None:
             f"{prompt}rollout.sampling.max_new_tokens={max_new} is {length + max_new} tokens, more than the "
             f"model's {max_positions} positions: use {fix}"
         )
+    for i, e in enumerate(cfg.data.eval_sets()):  # an evaluation dataset with a response cap of its own
+        if e.max_new_tokens is None or longest is None:
+            continue
+        length, where = longest(e.name)
+        if length + e.max_new_tokens > max_positions:
+            raise InputMismatchError(
+                f"data.eval[{i}] ({e.name}): its longest prompt ({length} tokens, {where}) plus max_new_tokens="
+                f"{e.max_new_tokens} is {length + e.max_new_tokens} tokens, more than the model's {max_positions} "
+                f"positions: use a max_new_tokens of at most {max(max_positions - length, 0)}"
+            )

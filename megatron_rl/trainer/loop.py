@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from megatron_rl.algorithms import compute_advantages
 from megatron_rl.algorithms.advantages import estimator_options
 from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
+from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
@@ -34,7 +35,7 @@ from megatron_rl.megatron_backend.models.architecture import max_positions, mode
 from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
 from megatron_rl.rollout.data import PromptData
-from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_factory import build_engine
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
@@ -53,8 +54,8 @@ from megatron_rl.trainer.rollout_phase import (
     sync_weights,
 )
 from megatron_rl.trainer.run_log import RunLog, run_header
-from megatron_rl.trainer.sample_log import SampleLog, eval_dataset_name
-from megatron_rl.trainer.step_metrics import mismatch_metrics, multi_turn_metrics, update_metrics
+from megatron_rl.trainer.sample_log import SampleLog
+from megatron_rl.trainer.step_metrics import mismatch_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
@@ -86,11 +87,23 @@ class StepParts:
     source: RolloutSource | None = None
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
+    evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
 
     @property
     def requests(self) -> RolloutEngine | None:
         """The engine for requests outside the rollout (evaluation): through the producer's gate in async mode."""
         return self.producer.engine if self.producer is not None else self.engine
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Rank 0: the evaluation after step `step` (step 0: before any update), on the engine's current weights;
+        its samples go to eval_samples.jsonl. In async mode the requests share the producer's gate, so the trainer
+        waits only for the generation and scoring of the evaluation itself."""
+        if self.evaluator is None or self.requests is None:
+            raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine, with data.eval set")
+        log = self.samples_log
+        return self.evaluator.evaluate(
+            self.requests, step, on_samples=None if log is None else lambda name, s: log.add_eval(step, s, name)
+        )
 
 
 def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = False) -> TrainResult:
@@ -190,7 +203,7 @@ def _run(
     if state["step"] == 0 and evaluating:
         parts.memory.for_rollout()
         if log is not None:
-            log.log(0, evaluate(cfg, parts.engine, parts.data, parts.tokenizer, log.samples, 0))  # the curve's start
+            log.log(0, parts.evaluate(0))  # the curve's start
     if parts.engine is not None and cfg.trainer.mode == "async":
         parts.producer = RolloutProducer(
             cfg,
@@ -213,7 +226,7 @@ def _run(
         if evaluating and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
             parts.memory.for_rollout()
             if rank0:
-                metrics.update(evaluate(cfg, parts.requests, parts.data, parts.tokenizer, parts.samples_log, step))
+                metrics.update(parts.evaluate(step))
         saved = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
         if saved:
             metrics["time/checkpoint"] = _save(parts, plan, stop, step, metrics if rank0 else None, saves)
@@ -243,6 +256,7 @@ def _build_parts(
     check_positions(cfg, data, positions)
     if cfg.warmup.sft_steps > 0:  # the SFT rows are read, and a bad or too long one refused, before the model build
         check_warmup_data(data.sft_source(), positions)
+    evaluator = Evaluator(cfg, data, tokenizer)  # its rewards resolved: an unknown one is refused before the build
     actor = build_actor(cfg, model_dir)
     engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:
@@ -255,7 +269,9 @@ def _build_parts(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
     source = SyncRollout(engine, data) if engine is not None else None  # async mode: replaced once warmed up
-    return StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source), state
+    parts = StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source)
+    parts.evaluator = evaluator if engine is not None else None
+    return parts, state
 
 
 def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
@@ -451,40 +467,6 @@ def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> lis
 
 
 # ---------------------------------------------------------------------------------------------- parts
-def evaluate(
-    cfg: RLConfig,
-    engine: RolloutEngine | None,
-    data: PromptData,
-    tokenizer: Any,
-    samples_log: SampleLog | None = None,
-    step: int = 0,
-) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts (rank 0, which holds the engine); the scored generations go to
-    `samples_log` as step `step`'s eval rows. An engine that fails here is reported and the evaluation skipped: the
-    next rollout restarts it and re-sends the weights (every rank)."""
-    if engine is None:
-        raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine")
-    from megatron_rl.rollout.rewards import compute_rewards
-
-    prompts = data.eval_prompts(cfg.data.eval_prompts)
-    params = replace(cfg.rollout.sampling, temperature=0.0)
-    try:
-        samples = data.generate(engine, prompts, params, 1, False)  # multi-turn with rollout.env / generate_fn
-    except RolloutEngineError as err:
-        print(f"evaluation skipped: the rollout engine failed ({err}); the next rollout recovers it", flush=True)
-        return {"eval/skipped": 1.0}
-    for s, p in zip(samples, prompts, strict=True):
-        s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
-    stats = compute_rewards(samples, data.reward_fn, tokenizer, timeout_s=cfg.data.reward_timeout_s)  # failure limit
-    if samples_log is not None:
-        samples_log.add_eval(step, samples, eval_dataset_name(cfg.data))
-    metrics = {"eval/accuracy": sum(s.reward is not None and s.reward > 0.5 for s in samples) / len(samples)}
-    metrics.update({f"eval/{k}": v for k, v in stats.metrics().items() if k != "reward/failure_limit"})
-    if any("turns" in s.metadata for s in samples):  # the greedy trajectories' tool use
-        metrics.update({f"eval/{k.split('/', 1)[1]}": v for k, v in multi_turn_metrics(samples).items()})
-    return metrics
-
-
 def prepare_model_dir(cfg: RLConfig) -> Path:
     """The HF model directory; the tiny demo model is built there on first use when asked to."""
     path = Path(cfg.model.hf_path)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config.schema import DataConfig, LoggingConfig
+from megatron_rl.config.schema import LoggingConfig
 from megatron_rl.jsonl import records_before_step, replace_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
@@ -69,14 +69,15 @@ def sample_rows(
 
 
 def eval_rows(step: int, samples: Sequence[Any], tokenizer: Any, dataset: str) -> list[dict[str, Any]]:
-    """Rows of eval_samples.jsonl: every evaluation sample of the evaluation after step `step`."""
-    return [{"step": step, "dataset": dataset, **_common(s, tokenizer)} for s in samples]
-
-
-def eval_dataset_name(data: DataConfig) -> str:
-    """The evaluation data's name in eval_samples.jsonl: a built-in task's name, else the file's (folder's) stem."""
-    name = str(data.eval or "")
-    return Path(name).stem if ("/" in name or "." in name) else name
+    """Rows of eval_samples.jsonl: every evaluation sample of dataset `dataset` in the evaluation after step
+    `step`; `group` is the prompt's index, `extracted_answer` the answer maj@k voted with (rewards that extract)."""
+    rows = []
+    for s in samples:
+        row = {"step": step, "dataset": dataset, "group": s.group_index, **_common(s, tokenizer)}
+        if "extracted_answer" in s.metadata:
+            row["extracted_answer"] = s.metadata["extracted_answer"]
+        rows.append(row)
+    return rows
 
 
 def cut_back(path: Path, first_step: int) -> int:

@@ -267,7 +267,7 @@ def test_prompt_data_mixture_sources_and_longest_prompt(tokenizer):
     slime = f"data.eval={FIXTURES / 'slime.jsonl'}", "data.eval_every=5"
     data = PromptData(_cfg(train, *slime, "data.answer_key=null"), tokenizer)
     assert data.data_sources() == {"openai/gsm8k", "rev"}  # slime's rows have no data_source
-    assert len(data.train_prompts) == 16 and len(data.eval_prompts(100)) == 8
+    assert len(data.train_prompts) == 16 and len(data.eval_prompts("slime")) == 8  # data.eval_prompts=64 > 8 rows
     # The longest is slime's system-prompt row: the chat template of [system, user] beats every [user] prompt.
     slime_rows = load_prompts(FIXTURES / "slime.jsonl", tokenizer, answer_key=None, apply_chat_template=True)
     longest = len(slime_rows[7].token_ids)

@@ -23,7 +23,6 @@ from megatron_rl.trainer.run_log import RunLog
 from megatron_rl.trainer.sample_log import (
     SampleLog,
     cut_back,
-    eval_dataset_name,
     format_samples,
     one_line,
     pick_samples,
@@ -137,11 +136,13 @@ def test_eval_samples_hold_every_held_out_generation(chat_run, tokenizer) -> Non
         logged = [r for r in rows if r["step"] == step]
         assert [r["prompt"] for r in logged] == expected
         assert [r["answer"] for r in logged] == [r["answer"] for r in held_out]
+        assert [r["group"] for r in logged] == list(range(len(held_out)))  # one greedy response per prompt
     for row in rows:
         assert row["dataset"] == "held_out" and row["data_source"] == "digits/reverse"
         assert row["reward/text_code"] == text_code(None, row["response"], {})  # type: ignore[arg-type]
         assert row["reward"] == pytest.approx(2.0 * row["reward/exact_match"] + 0.5 * row["reward/text_code"])
-        assert "advantage" not in row and "group" not in row
+        assert "advantage" not in row
+        assert row["extracted_answer"] == row["response"].strip()  # exact_match votes with the stripped text
 
 
 def test_show_samples_prints_them_after_each_step_line(chat_run) -> None:
@@ -253,11 +254,12 @@ def test_console_lines_are_one_line_each() -> None:
     assert prompt == "    prompt   …" + ("q" * 300 + "\\nend")[-39:] and len(response) == len("    response ") + 40
 
 
-def test_eval_dataset_name() -> None:
+def test_one_dataset_eval_name() -> None:
     from megatron_rl.config.schema import DataConfig
 
-    assert eval_dataset_name(DataConfig(eval="synthetic")) == "synthetic"
-    assert eval_dataset_name(DataConfig(eval="data/gsm8k/test.parquet")) == "test"
+    assert [e.name for e in DataConfig(eval="synthetic").eval_sets()] == ["synthetic"]
+    assert [e.name for e in DataConfig(eval="data/gsm8k/test.parquet").eval_sets()] == ["test"]
+    assert [e.name for e in DataConfig(eval="data/gsm8k_ds/").eval_sets()] == ["gsm8k_ds"]
 
 
 def test_wandb_tables_of_an_offline_run(tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
