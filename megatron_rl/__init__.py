@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     "train": "megatron_rl.api",
+    "evaluate": "megatron_rl.api",
     "load_config": "megatron_rl.config",
     "RLConfig": "megatron_rl.config",
     "ModelConfig": "megatron_rl.config",

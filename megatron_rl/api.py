@@ -16,6 +16,7 @@ from megatron_rl.config.loader import configure
 from megatron_rl.config.plugins import check_plugins
 
 if TYPE_CHECKING:
+    from megatron_rl.evaluation.checkpoint_eval import EvalResult
     from megatron_rl.trainer.loop import TrainResult
 
 
@@ -36,3 +37,23 @@ def train(config: RLConfig | str | Path, overrides: Sequence[str] = (), *, verbo
     from megatron_rl.trainer.run_dir import resume_command
 
     return run_training(cfg, resume_command=resume_command(cfg, config_path, overrides), verbose=verbose)
+
+
+def evaluate(
+    config: RLConfig | str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    checkpoint: str | Path | None = None,
+    output_dir: str | Path | None = None,
+) -> EvalResult:
+    """What `megatron-rl eval` runs: the config's evaluation datasets (`data.eval`) scored on `checkpoint` (an HF
+    model folder, a run's checkpoint or run folder; None: model.hf_path), as `train` scores them."""
+    if isinstance(config, RLConfig):
+        cfg = configure(config, overrides)
+    else:
+        cfg = load_config(config, overrides)
+    check_input_paths(cfg)
+    check_plugins(cfg)
+    from megatron_rl.evaluation.checkpoint_eval import evaluate_checkpoint
+
+    return evaluate_checkpoint(cfg, checkpoint, output_dir=output_dir)

@@ -19,6 +19,7 @@ from megatron_rl.optional_deps import MissingOptionalDependency
 # name -> (module exposing `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.commands.train", "RL training from a YAML config with dotted overrides"),
+    "eval": ("megatron_rl.commands.eval", "score a model or checkpoint on the config's evaluation datasets"),
     "sft": ("megatron_rl.commands.sft", "the supervised warm-up (SFT) of a config alone, saved as an HF model"),
     "logprobs": ("megatron_rl.commands.logprobs", "score tokens: per-token log-probs, entropy and routed experts"),
     "launch": ("megatron_rl.commands.launch", "plan a multi-node job: which node runs what, and whether it fits"),

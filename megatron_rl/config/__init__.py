@@ -15,6 +15,7 @@ from megatron_rl.config.presets import PRESETS, OfMaxNewTokens, preset_values
 from megatron_rl.config.schema import (
     AlgoConfig,
     DataConfig,
+    EvalSet,
     LoggingConfig,
     ModelConfig,
     RLConfig,
@@ -30,6 +31,7 @@ __all__ = [
     "AlgoConfig",
     "ConfigError",
     "DataConfig",
+    "EvalSet",
     "LoggingConfig",
     "ModelConfig",
     "OfMaxNewTokens",
