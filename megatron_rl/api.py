@@ -16,7 +16,7 @@ from megatron_rl.config.loader import configure
 from megatron_rl.config.plugins import check_plugins
 
 if TYPE_CHECKING:
-    from megatron_rl.evaluation.checkpoint_eval import EvalResult
+    from megatron_rl.trainer.eval_only import EvalResult
     from megatron_rl.trainer.loop import TrainResult
 
 
@@ -54,6 +54,6 @@ def evaluate(
         cfg = load_config(config, overrides)
     check_input_paths(cfg)
     check_plugins(cfg)
-    from megatron_rl.evaluation.checkpoint_eval import evaluate_checkpoint
+    from megatron_rl.trainer.eval_only import evaluate_checkpoint
 
     return evaluate_checkpoint(cfg, checkpoint, output_dir=output_dir)

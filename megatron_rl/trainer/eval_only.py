@@ -18,6 +18,19 @@ import torch.distributed as dist
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.jsonl import replace_jsonl
+from megatron_rl.megatron_backend import checkpoint as checkpoints
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.checkpoint_format import is_complete, latest_checkpoint
+from megatron_rl.megatron_backend.distributed import shutdown
+from megatron_rl.megatron_backend.hf_weights import read_hf_config
+from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
+from megatron_rl.rollout.data import PromptData
+from megatron_rl.rollout.engine_factory import build_engine
+from megatron_rl.trainer.colocation import ColocatedMemory
+from megatron_rl.trainer.input_guards import check_positions
+from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
+from megatron_rl.trainer.rollout_phase import sync_weights
+from megatron_rl.trainer.sample_log import eval_rows
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -46,8 +59,6 @@ def find_checkpoint(path: str | Path | None) -> CheckpointSource:
     """Classify `--checkpoint`: a folder with config.json is an HF model; a complete Megatron checkpoint, a run's
     `checkpoints/` folder or a run folder give the (newest) Megatron checkpoint. ValueError naming what was looked
     for otherwise."""
-    from megatron_rl.megatron_backend.checkpoint_format import is_complete, latest_checkpoint
-
     if path is None:
         return CheckpointSource("model", None, "model")
     path = Path(path)
@@ -76,19 +87,6 @@ def evaluate_checkpoint(
     cfg: RLConfig, checkpoint: str | Path | None = None, *, output_dir: str | Path | None = None
 ) -> EvalResult:
     """Score the config's evaluation datasets on `checkpoint` (`find_checkpoint`; None: model.hf_path)."""
-    from megatron_rl.megatron_backend import checkpoint as checkpoints
-    from megatron_rl.megatron_backend import platform
-    from megatron_rl.megatron_backend.distributed import shutdown
-    from megatron_rl.megatron_backend.hf_weights import read_hf_config
-    from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
-    from megatron_rl.rollout.data import PromptData
-    from megatron_rl.rollout.engine_factory import build_engine
-    from megatron_rl.trainer.colocation import ColocatedMemory
-    from megatron_rl.trainer.input_guards import check_positions
-    from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
-    from megatron_rl.trainer.rollout_phase import sync_weights
-    from megatron_rl.trainer.sample_log import eval_rows
-
     if not cfg.data.eval_sets():
         raise ValueError("megatron-rl eval needs evaluation datasets: set data.eval (a file, a built-in task, a list)")
     source = find_checkpoint(checkpoint)
