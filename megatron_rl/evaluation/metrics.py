@@ -121,7 +121,7 @@ def dataset_metrics(
     answers, ``response_lengths`` and ``truncated`` are per sample, problem-major (problem 0's n samples first).
 
     Keys: ``mean@{n}``; ``pass@{k}`` for each k of ``pass_k``, from all n samples by the unbiased estimator
-    (Chen et al. 2021, eq. 1); ``maj@{k}`` for each k when ``answers`` is given, from the FIRST k samples of each
+    (Chen et al. 2021, eq. 1); ``maj@{k}`` for each k > 1 when ``answers`` is given, from the FIRST k samples of each
     problem (the samples are i.i.d., so those are one draw of k); ``accuracy`` when ``greedy`` (n must be 1: the
     share correct); ``response_length`` (mean tokens per sample) when ``response_lengths`` is given;
     ``truncation_rate`` (share of samples cut at the token limit) when ``truncated`` is given; ``problems`` and
@@ -142,7 +142,8 @@ def dataset_metrics(
             raise ValueError(
                 f"answers must have the shape of groups_correct ({len(groups_correct)} problems x {n} samples)"
             )
-        metrics.update({f"maj@{k}": mean_majority_at_k(answers, groups_correct, k) for k in ks})
+        # maj@1 would be the first sample's accuracy alone: mean@n (= pass@1) says the same with all n samples.
+        metrics.update({f"maj@{k}": mean_majority_at_k(answers, groups_correct, k) for k in ks if k > 1})
     if greedy:
         if n != 1:
             raise ValueError(f"greedy accuracy needs n_samples=1, got {n}: greedy samples of a prompt are identical")

@@ -155,8 +155,7 @@ def test_dataset_metrics_values_and_keys():
         "pass@1": 3 / 8,
         "pass@2": (0.5 + 5 / 6) / 2,  # 1/2 and 1 - C(2,2)/C(4,2)
         "pass@4": 1.0,
-        # maj@1: '1' right, '5' right. maj@2: '1'/'2' tie (1/2), '5'. maj@4: '2' wrong, '5' right.
-        "maj@1": 1.0,
+        # maj@2: '1'/'2' tie (1/2), '5'. maj@4: '2' wrong, '5' right. (No maj@1: one sample's accuracy.)
         "maj@2": 0.75,
         "maj@4": 0.5,
         "response_length": 15.0,

@@ -144,6 +144,33 @@ def test_multi_turn_training_with_a_server(fp32_server: SGLangServers, model_dir
         assert r["routing/rollout_agreement"] > 0.99
 
 
+def test_evaluation_with_a_server(fp32_server: SGLangServers, model_dir: Path, tmp_path: Path) -> None:
+    """P18 on a real server: two evaluation datasets (greedy; 4 samples per prompt) scored at steps 0 and 2, and
+    `megatron-rl eval` of the step-2 checkpoint against the same server reproduces the greedy numbers."""
+    servers = fp32_server
+    out = tmp_path / "run"
+    evals = ("data.eval=[{name: greedy, path: synthetic, prompts: 16},"
+             " {name: sampled, path: synthetic, n_samples: 4, temperature: 1.0, prompts: 16}]")  # fmt: skip
+    key = f"rollout.sglang.api_key_file={servers.api_key_file}"
+    history = _train(out, model_dir, servers.urls[0], evals, "data.eval_every=2", "trainer.steps=2", key)
+    by_step = {r["step"]: r for r in history}
+    rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    for step in (0, 2):
+        sampled = [r for r in rows if r["step"] == step and r["dataset"] == "sampled"]
+        assert len(sampled) == 64
+        assert by_step[step]["eval/sampled/mean@4"] == sum(r["reward"] > 0.5 for r in sampled) / 64
+        groups = {g: {r["response"] for r in sampled if r["group"] == g} for g in range(16)}
+        assert sum(len(texts) > 1 for texts in groups.values()) >= 4  # a prompt's 4 samples are not one copy
+        assert by_step[step]["eval/sampled/pass@4"] >= by_step[step]["eval/sampled/pass@1"]
+    assert by_step[0]["eval/greedy/accuracy"] > 0  # the warmed-up weights reached the server before step 0
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "eval", str(out / "config.yaml"), "--checkpoint", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    again = json.loads((out / "eval" / "step_000000002" / "eval_results.json").read_text())["metrics"]
+    greedy = [k for k in again if k.startswith("eval/greedy/")]
+    assert {k: again[k] for k in greedy} == {k: by_step[2][k] for k in greedy}
+
+
 @pytest.mark.torchrun
 def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """The bf16 server's samples scored by the fp32 trainer with natural routing and with R3 replay.

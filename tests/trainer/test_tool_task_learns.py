@@ -62,3 +62,30 @@ def test_tool_example_raises_tool_success_and_accuracy(tmp_path: Path, seed: int
     # sign-flipped -> 0.
     before, after = history[0]["eval/accuracy"], steps[-1]["eval/accuracy"]
     assert before > 0.2 and after > before + 0.01, f"held-out accuracy {before:.3f} -> {after:.3f}"
+
+    # `megatron-rl eval` of the run's last checkpoint: the config's greedy evaluation reproduces the run's last
+    # eval/* numbers (multi-turn tool metrics included), and a sampled evaluation through the same multi-turn
+    # rollout scores as its logged trajectories do.
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", str(out / "config.yaml"), "--checkpoint", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    again = json.loads((out / "eval" / "step_000000060" / "eval_results.json").read_text())["metrics"]
+    assert {k: v for k, v in again.items() if k.startswith("eval/")} == {
+        k: v for k, v in steps[-1].items() if k.startswith("eval/")
+    }
+    assert again["eval/tool_success_rate"] > 0.5  # the trained model calls its tool
+    sampled = "data.eval=[{name: tool, path: synthetic_tool, n_samples: 4, temperature: 1.0, prompts: 32}]"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", str(out / "config.yaml"), sampled, "--checkpoint", str(out),
+         "--output", str(out / "sampled")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    metrics = json.loads((out / "sampled" / "eval_results.json").read_text())["metrics"]
+    rows = [json.loads(line) for line in (out / "sampled" / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 128 and {r["dataset"] for r in rows} == {"tool"}
+    assert metrics["eval/tool/mean@4"] == pytest.approx(sum(r["reward"] > 0.5 for r in rows) / 128, abs=1e-12)
+    assert metrics["eval/tool/pass@4"] >= metrics["eval/tool/mean@4"] > 0.2
+    assert 1.5 < metrics["eval/tool/turns_mean"] <= 3.0 and metrics["eval/tool/tool_success_rate"] > 0.5
