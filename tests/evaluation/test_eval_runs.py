@@ -129,6 +129,22 @@ def test_eval_command_reproduces_the_runs_numbers(eval_run) -> None:
     assert _jsonl(folder / "eval_samples.jsonl") == logged_rows
 
 
+@pytest.mark.torchrun
+def test_eval_in_an_expert_and_tensor_parallel_layout(eval_run) -> None:
+    """The step-2 checkpoint loaded into 2 ranks (TP=2, then EP=2) scores exactly as in one process: the engine gets
+    the same full tensors whatever the actor's layout."""
+    from tests.megatron.dist_harness import run_torchrun
+
+    one = json.loads((eval_run.out / "eval" / "step_000000002" / "eval_results.json").read_text())["metrics"]
+    for layout in ("parallel.tp=2", "parallel.ep=2"):
+        out = eval_run.out / f"eval_{layout}"
+        run_torchrun(Path(__file__).parents[2] / "megatron_rl" / "cli.py", 2,
+                     ["eval", str(eval_run.out / "config.yaml"), layout, "--checkpoint", str(eval_run.out),
+                      "--output", str(out)], timeout=600)  # fmt: skip
+        two = json.loads((out / "eval_results.json").read_text())["metrics"]
+        assert _eval_metrics(two) == _eval_metrics(one), layout
+
+
 def _cfg(tmp_path: Path, *overrides: str):
     return load_config(EXAMPLE, [f"model.hf_path={tmp_path}", "data.eval_every=5", *overrides])
 

@@ -64,6 +64,11 @@ def test_one_step_off_policy_trains_every_sample_one_version_behind(warmed_demo:
         assert 0.5 < r["actor/rollout_is_weight_mean"] < 2.0
         if r["step"] > 1:  # behaviour (one version old) vs θ_old: a real, small gap the correction weighs
             assert 0.0 < r["mismatch/k3_kl"] < 0.1
+    # The evaluations (steps 0, 2, 4) ran on the weights of their step, between the producer's requests.
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 4]
+    for r in evaluated:
+        assert r["eval/weight_version"] == r["step"] and r["time/eval/synthetic"] > 0
 
 
 def _children(pid: int) -> list[int]:
