@@ -130,19 +130,19 @@ def test_eval_command_reproduces_the_runs_numbers(eval_run) -> None:
 
 
 @pytest.mark.torchrun
-def test_eval_in_an_expert_and_tensor_parallel_layout(eval_run) -> None:
-    """The step-2 checkpoint loaded into 2 ranks (TP=2, then EP=2) scores exactly as in one process: the engine gets
-    the same full tensors whatever the actor's layout."""
+@pytest.mark.parametrize("layout", ["parallel.tp=2", pytest.param("parallel.ep=2", marks=pytest.mark.slow)])
+def test_eval_in_a_parallel_layout(eval_run, layout: str) -> None:
+    """The step-2 checkpoint loaded into 2 ranks scores exactly as in one process: the engine gets the same full
+    tensors whatever the actor's layout."""
     from tests.megatron.dist_harness import run_torchrun
 
     one = json.loads((eval_run.out / "eval" / "step_000000002" / "eval_results.json").read_text())["metrics"]
-    for layout in ("parallel.tp=2", "parallel.ep=2"):
-        out = eval_run.out / f"eval_{layout}"
-        run_torchrun(Path(__file__).parents[2] / "megatron_rl" / "cli.py", 2,
-                     ["eval", str(eval_run.out / "config.yaml"), layout, "--checkpoint", str(eval_run.out),
-                      "--output", str(out)], timeout=600)  # fmt: skip
-        two = json.loads((out / "eval_results.json").read_text())["metrics"]
-        assert _eval_metrics(two) == _eval_metrics(one), layout
+    out = eval_run.out / f"eval_{layout}"
+    run_torchrun(Path(__file__).parents[2] / "megatron_rl" / "cli.py", 2,
+                 ["eval", str(eval_run.out / "config.yaml"), layout, "--checkpoint", str(eval_run.out),
+                  "--output", str(out)], timeout=600)  # fmt: skip
+    two = json.loads((out / "eval_results.json").read_text())["metrics"]
+    assert _eval_metrics(two) == _eval_metrics(one), layout
 
 
 def _cfg(tmp_path: Path, *overrides: str):
