@@ -12,7 +12,8 @@
 # micro-batches), the single-process actor invariants (export bitwise, ppo_kl == 0 on the first update, loss
 # falls, reference swap, packed vs padded within 1e-6), with the TE layer spec when Transformer Engine imports
 # and the local spec otherwise; the kernel tests compiled by Triton (not the interpreter) and the log-prob
-# kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark (JSON copied to $OUT);
+# kernel benchmark (time, peak memory, GB/s against HBM), the packed GSPO loss benchmark, the RL step's per-phase
+# breakdown on the demo (benchmarks/bench_rl_step.py: rollout, old log-probs, updates, sync; JSON copied to $OUT);
 # the optimizer CPU offload (Megatron's HybridDeviceOptimizer with the precision-aware optimizer): three updates
 # match the resident optimizer's within bf16 rounding with the state in host memory, and a checkpoint resume
 # with it continues bit for bit (tests/actor/test_optimizer_offload.py; these skip without Transformer Engine,
@@ -43,4 +44,7 @@ python3 -m pytest -q -p no:cacheprovider -o addopts= \
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
 timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"
-cp benchmarks/results/bench_logprob_*.json benchmarks/results/bench_gspo_*.json "$OUT/" 2>/dev/null || true
+# The RL step per phase (rollout, old log-probs, updates, weight sync) on the demo, as on CPU (P19's breakdown).
+timeout 240 python3 benchmarks/bench_rl_step.py --steps 10 2>&1 | tee "$OUT/bench_rl_step.txt"
+cp benchmarks/results/bench_logprob_*.json benchmarks/results/bench_gspo_*.json benchmarks/results/rl_step_*.json \
+    "$OUT/" 2>/dev/null || true
