@@ -95,3 +95,91 @@ def test_unsupported_grouped_is_refused_naming_the_option_and_auto_falls_back(me
     assert use_grouped_experts(plain, ModelOptions(experts="auto"), te=False)
     assert not use_grouped_experts(plain, ModelOptions(experts="auto"), te=True)  # the TE spec's experts stay
     assert not use_grouped_experts(plain, ModelOptions(experts="sequential"), te=False)
+
+
+def _experts_pair(hidden: int, ffn: int, experts: int, seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A `SequentialMLP` and a `GroupedSequentialMLP` with the same random SwiGLU weights."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_rl.megatron_backend.models.grouped_experts import grouped_mlp_class
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=experts, moe_router_topk=2,
+        moe_ffn_hidden_size=ffn, ffn_hidden_size=ffn, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    torch.manual_seed(seed)
+    sequential = SequentialMLP(experts, config, submodules, pg_collection=groups)
+    grouped = grouped_mlp_class()(experts, config, submodules, pg_collection=groups)
+    grouped.load_state_dict(sequential.state_dict())
+    return sequential, grouped
+
+
+def _forward_backward(module: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> dict:
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out, _ = module(x, counts, probs)
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return {"out": out.detach(), "x": x.grad, **grads}
+
+
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop", "auto"])
+@pytest.mark.parametrize("hidden", [64, 6])
+def test_both_computations_are_bitwise_sequential(megatron_world, gemm: str, hidden: int) -> None:  # noqa: F811
+    """The grouped GEMM (one `grouped_mm` per projection, forward and backward) and the matmul loop, each forced,
+    and the `auto` rule: outputs, the input's and every expert weight's gradient bitwise `SequentialMLP`'s, with
+    an expert that gets no token (its weight gradients exactly 0). Hidden 6: rows of 24 bytes, not the 16-byte
+    multiple the grouped GEMM requires (fc1's input, fc2's output), so `auto` takes the loop there."""
+    from megatron_rl.megatron_backend.models.grouped_experts import _grouped_mm_runs
+
+    sequential, grouped = _experts_pair(hidden, 8, 4, seed=hidden)
+    counts = torch.tensor([5, 0, 9, 2])
+    gen = torch.Generator().manual_seed(0)
+    x, probs = torch.randn(16, hidden, generator=gen), torch.rand(16, generator=gen)
+    weights = [e.linear_fc1.weight for e in grouped.local_experts]
+    assert _grouped_mm_runs(x, weights) is (hidden == 64)
+    grouped.gemm = gemm
+    if gemm == "grouped_mm" and hidden == 6:  # torch's grouped GEMM refuses these strides; `auto` never asks it
+        with pytest.raises(RuntimeError, match="16 bytes"):
+            _forward_backward(grouped, x, counts, probs)
+        return
+    expected, got = _forward_backward(sequential, x, counts, probs), _forward_backward(grouped, x, counts, probs)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert float(got["local_experts.1.linear_fc1.weight"].abs().max()) == 0.0
+    assert float(got["local_experts.2.linear_fc2.weight"].abs().max()) > 0.0
+
+
+def test_grouped_gemm_with_frozen_weights_and_the_cpu_stacking_limit(megatron_world) -> None:  # noqa: F811
+    """Frozen expert weights: only the input's gradient, still bitwise. On CPU the grouped GEMM is taken while one
+    projection's stacked weights fit `CPU_STACK_MAX_BYTES`, the loop above it."""
+    from megatron_rl.megatron_backend.models import grouped_experts
+
+    sequential, grouped = _experts_pair(64, 8, 4, seed=1)
+    for module in (sequential, grouped):
+        for p in module.parameters():
+            p.requires_grad_(False)
+    counts = torch.tensor([3, 4, 0, 9])
+    x, probs = torch.randn(16, 64), torch.rand(16)
+    grouped.gemm = "grouped_mm"
+    expected, got = _forward_backward(sequential, x, counts, probs), _forward_backward(grouped, x, counts, probs)
+    assert set(got) == {"out", "x"}
+    assert torch.equal(got["out"], expected["out"]) and torch.equal(got["x"], expected["x"])
+    weights = [torch.empty(32, 64) for _ in range(4)]  # 32 KiB stacked
+    limit = grouped_experts.CPU_STACK_MAX_BYTES
+    try:
+        grouped_experts.CPU_STACK_MAX_BYTES = 32 << 10
+        assert grouped_experts._grouped_mm_runs(x, weights)
+        grouped_experts.CPU_STACK_MAX_BYTES = (32 << 10) - 1
+        assert not grouped_experts._grouped_mm_runs(x, weights)
+    finally:
+        grouped_experts.CPU_STACK_MAX_BYTES = limit

@@ -5,9 +5,10 @@ Megatron-Core's local spec builds a MoE layer's experts as `SequentialMLP` (tran
 sizes RL fine-tuning runs there, that loop is a third of the forward-backward (docs/performance.md §11).
 `grouped_mlp_class()` is the same module -- a subclass with exactly its parameters, names and
 `sharded_state_dict`, so checkpoints, HF conversion, weight sync and the families' mappings do not change --
-whose forward runs each projection of all local experts at once: one `torch._grouped_mm` over the token groups
-(the kernel transformers 5 uses for its MoE experts, `integrations/moe.py`) where the experts' weights are small,
-a loop of bare matmuls where stacking the weights would cost more (`_grouped_linear`), and every elementwise step
+whose forward runs each projection of all local experts at once: one grouped GEMM
+(`torch.nn.functional.grouped_mm`, the kernel transformers 5 uses for its MoE experts, `integrations/moe.py`)
+over the token groups, forward and backward, on CPU and on CUDA; a loop of bare matmuls only where that kernel
+cannot run or, on CPU, where stacking the weights would cost more (`_grouped_linear`); and every elementwise step
 once over all tokens. Each group's matmul is the one `SequentialMLP`'s linear layers compute, so on SwiGLU experts
 the outputs and gradients are bitwise those of `SequentialMLP`; with expert biases or GPT-OSS's gate they agree
 to fp32 rounding (tests/megatron/test_grouped_experts.py).
@@ -48,6 +49,10 @@ def grouped_mlp_class() -> type:
     class GroupedSequentialMLP(SequentialMLP):
         """`SequentialMLP` whose forward computes all local experts at once (module docstring)."""
 
+        # How each projection's matmuls run: "auto" (`_grouped_linear`'s rule), or forced "grouped_mm" / "loop"
+        # (the benchmark sets it on an instance to measure both).
+        gemm: str = "auto"
+
         def forward(
             self,
             permuted_local_hidden_states: torch.Tensor,
@@ -65,7 +70,7 @@ def grouped_mlp_class() -> type:
             fc1 = [expert.linear_fc1 for expert in self.local_experts]
             fc2 = [expert.linear_fc2 for expert in self.local_experts]
 
-            inter = _grouped_linear(hidden, counts, [m.weight for m in fc1])
+            inter = _grouped_linear(hidden, counts, [m.weight for m in fc1], self.gemm)
             if fc1[0].bias is not None:
                 inter = inter + _per_token(torch.stack([m.bias for m in fc1]), counts, inter.shape[0])
             if config.gated_linear_unit:
@@ -78,7 +83,7 @@ def grouped_mlp_class() -> type:
                 inter = config.activation_func(inter)
             inter = (inter * probs.unsqueeze(-1)).to(inter.dtype)
 
-            output = _grouped_linear(inter, counts, [m.weight for m in fc2])
+            output = _grouped_linear(inter, counts, [m.weight for m in fc2], self.gemm)
             if fc2[0].bias is not None:
                 bias = _per_token(torch.stack([m.bias for m in fc2]), counts, output.shape[0])
                 output = output + bias * probs.unsqueeze(-1)
@@ -125,27 +130,71 @@ def _rebuilt(spec: Any, *, module: Any = None, submodules: Any = None) -> Any:
     return dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
 
 
-# Above this many elements per expert weight, copying the experts' weights into one stacked tensor per call
-# costs more than the per-expert kernel launches it saves (measured on CPU, one thread, fp32, forward plus
-# backward of the experts: hidden 64 / ffn 32 (4,096-element fc1) grouped 0.9 ms vs loop 1.1 ms; hidden 256 /
-# ffn 128 (65,536) 14.5 vs 15.1 ms; hidden 512 / ffn 256 (262,144) 139 vs 105 ms; hidden 1024 / ffn 512
-# 872 vs 531 ms; SequentialMLP 2.6 / 17.9 / 111 / 594 ms).
-STACK_MAX_NUMEL = 1 << 16
+# On CPU, the most bytes of one projection's stacked expert weights for which the grouped GEMM is taken. The stack
+# and the weight gradient are two tensors of that size per call; glibc's malloc serves blocks of 32 MiB and more
+# with a fresh mmap each time, so above it every call page-faults all of them in (measured on one thread: stacking
+# 28 MiB 3.7 ms, 32 MiB 18.5 ms with 8,193 page faults), and the loop of plain matmuls, which allocates nothing of
+# that size, is faster (benchmarks/bench_grouped_experts.py, docs/performance.md "The experts computed all at once").
+CPU_STACK_MAX_BYTES = 30 << 20
 
 
-def _grouped_linear(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+def _grouped_linear(
+    x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], gemm: str = "auto"
+) -> torch.Tensor:
     """`x @ W_e.T` for each expert e's group of rows of `x` (`counts[e]` rows each, in expert order).
 
-    Small weights on CPU: one `torch._grouped_mm` over the stacked weights. Otherwise a loop of plain matmuls
-    (no copy of the weights; still none of `SequentialMLP`'s per-expert module, autograd-Function and split
-    overhead); on CUDA `torch._grouped_mm` is limited to bf16 on Hopper and later, and the GPU's experts are the
-    Transformer Engine spec's anyway. Both compute each group with the matmul `SequentialMLP`'s linear layers
-    use, bitwise."""
-    if x.device.type == "cpu" and weights[0].numel() <= STACK_MAX_NUMEL:
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+    The grouped GEMM: `torch.nn.functional.grouped_mm` over the stacked weights, forward and backward one call
+    each, no per-expert Python (on CUDA the CUTLASS/cuBLASLt grouped kernels where torch has them, else torch's
+    loop of `mm_out` in C++; on CPU that loop). The loop of plain matmuls remains where the grouped GEMM cannot run
+    (`_grouped_mm_runs`) or, on CPU, where stacking the weights every call costs more than it saves
+    (`CPU_STACK_MAX_BYTES`). Both compute each group with the matmul `SequentialMLP`'s linear layers use,
+    bitwise. `gemm` forces one ("grouped_mm", "loop") for the benchmark."""
+    if gemm == "grouped_mm" or (gemm == "auto" and _grouped_mm_runs(x, weights)):
+        return _GroupedLinear.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), *weights)
     groups = x.split(counts.tolist())
     return torch.cat([torch.nn.functional.linear(group, w) for group, w in zip(groups, weights, strict=True)])
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`x @ W_e.T` per group as one grouped GEMM, and its backward as two: the input's gradient against the stacked
+    weights, every expert's weight gradient at once as `[experts, out, in]`, so each expert's gradient is a
+    contiguous slice that autograd hands to the parameter without a copy (autograd's own derivative of
+    `grouped_mm` over the transposed stack gives transposed slices, which it then copies per expert). The stacked
+    weights are kept for the backward: one copy of the layer's local expert weights per pass in flight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        stacked = torch.stack(weights)  # [experts, out, in]
+        ctx.save_for_backward(x, offsets, stacked)
+        return torch.nn.functional.grouped_mm(x, stacked.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, offsets, stacked = ctx.saved_tensors
+        grad = grad.contiguous()  # the grouped GEMM needs 16-byte-aligned rows; the output's were
+        grad_x = torch.nn.functional.grouped_mm(grad, stacked, offs=offsets) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[2:]):
+            return (grad_x, None, *[None] * stacked.shape[0])
+        grad_w = torch.nn.functional.grouped_mm(grad.t(), x, offs=offsets)  # each group's grad.T @ x
+        return (grad_x, None, *grad_w.unbind(0))
+
+
+def _grouped_mm_runs(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether `_grouped_linear` takes the grouped GEMM: a device torch's grouped GEMM supports (CPU; CUDA from
+    compute capability 8.0, as transformers checks), the 16-byte alignment it requires of the rows of `x`, of the
+    weights and of the output (and of the output's gradient in the backward), and on CPU the stacked weights at
+    most `CPU_STACK_MAX_BYTES`."""
+    device = x.device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return False
+    elif device.type != "cpu":
+        return False
+    w = weights[0]
+    aligned = 16 // x.element_size()
+    if x.data_ptr() % 16 or x.stride(0) % aligned or w.shape[0] % aligned or w.shape[1] % aligned:
+        return False
+    return device.type != "cpu" or len(weights) * w.numel() * w.element_size() <= CPU_STACK_MAX_BYTES
 
 
 def _per_token(per_expert: torch.Tensor, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
