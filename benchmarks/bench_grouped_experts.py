@@ -10,10 +10,15 @@ Variants:
 - `grouped`: what `model.options.experts=auto|grouped` builds (`GroupedSequentialMLP`, its `auto` rule), and its
   two computations forced: `grouped_mm` (stacked weights, one `torch.nn.functional.grouped_mm` per projection,
   forward and backward) and `matmul_loop` (a loop of bare matmuls);
+- `previous`: the same module with the projection of commit fd42c2d (`_previous_grouped_linear`: autograd through
+  `torch._grouped_mm` of the stacked weights up to 65,536 elements per expert weight, the loop above), the A of
+  this change's A/B;
 - `hf_eager`, `hf_grouped_mm`: `transformers`' `Qwen3MoeExperts` with `experts_implementation` "eager" (its loop
   over the experts hit) and "grouped_mm" (its default, what TRL's `GRPOTrainer` runs). Their module also sorts the
   tokens by expert, gathers them and sums each token's top-k outputs (in Megatron the token dispatcher does that,
-  outside the experts), so they do a little more than ours.
+  outside the experts), so they do a little more than ours;
+- `one_gemm_floor`: the grouped module with every route sent to one expert: the same FLOPs as one dense GEMM per
+  projection (its fastest case on this CPU), the floor any grouping of these matmuls can approach. Not checked.
 Sizes (hidden / expert ffn / experts / top-k, tokens): demo = examples/tiny_moe_gspo.yaml's model, bench =
 `tiny_model.BENCH_SPEC`, medium = the P19 issue's 45 M model, mid and large for the CPU stacking threshold; 800
 tokens (an update's 32 sequences of ~25 tokens), 512 at large. Repetitions interleave the variants (one round
@@ -45,7 +50,20 @@ SIZES = {
     "mid": (512, 256, 32, 4, 800),
     "large": (1024, 512, 64, 8, 512),
 }
-VARIANTS = ("sequential", "grouped", "grouped_mm", "matmul_loop", "hf_eager", "hf_grouped_mm")
+VARIANTS = (
+    "sequential", "previous", "grouped", "grouped_mm", "matmul_loop", "hf_eager", "hf_grouped_mm", "one_gemm_floor",
+)  # fmt: skip
+
+
+def _previous_grouped_linear(
+    x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], gemm: str = "auto"
+) -> torch.Tensor:
+    """The grouped experts' projection at commit fd42c2d, for the A/B."""
+    if x.device.type == "cpu" and weights[0].numel() <= 1 << 16:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+    groups = x.split(counts.tolist())
+    return torch.cat([F.linear(group, w) for group, w in zip(groups, weights, strict=True)])
 
 
 def build(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, torch.nn.Module]:
@@ -71,7 +89,11 @@ def build(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, torch.nn
         "sequential": SequentialMLP(experts, config, submodules, pg_collection=groups)
     }
     state = modules["sequential"].state_dict()
-    for variant, gemm in (("grouped", "auto"), ("grouped_mm", "grouped_mm"), ("matmul_loop", "loop")):
+    gemms = {
+        "previous": "auto", "grouped": "auto", "grouped_mm": "grouped_mm", "matmul_loop": "loop",
+        "one_gemm_floor": "loop",
+    }  # fmt: skip
+    for variant, gemm in gemms.items():
         module = grouped_mlp_class()(experts, config, submodules, pg_collection=groups)
         module.load_state_dict(state)
         module.gemm = gemm
@@ -114,7 +136,19 @@ def routing(tokens: int, experts: int, top_k: int, hidden: int) -> dict[str, tor
 
 def step(variant: str, module: torch.nn.Module, r: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward; each token's summed top-k output and the gradient of the input tokens."""
+    from megatron_rl.megatron_backend.models import grouped_experts
+
     module.zero_grad(set_to_none=True)
+    if variant == "previous":  # the module looks its projection up at call time
+        current, grouped_experts._grouped_linear = grouped_experts._grouped_linear, _previous_grouped_linear
+        try:
+            return step("grouped", module, r)
+        finally:
+            grouped_experts._grouped_linear = current
+    if variant == "one_gemm_floor":
+        counts = torch.zeros_like(r["counts"])
+        counts[1] = r["counts"].sum()
+        return step("grouped", module, {**r, "counts": counts})
     if variant.startswith("hf_"):
         x = r["x"].clone().requires_grad_()
         out = module(x, r["top_k_index"], r["top_k_weights"])
@@ -134,7 +168,7 @@ def check(modules: dict[str, torch.nn.Module], r: dict[str, torch.Tensor]) -> di
     """Max |difference| of each variant's outputs and input gradients from `sequential`'s, relative to their max."""
     ref_out, ref_grad = step("sequential", modules["sequential"], r)
     diffs = {}
-    for variant in VARIANTS[1:]:
+    for variant in VARIANTS[1:-1]:
         out, grad = step(variant, modules[variant], r)
         rel = max(
             float((out - ref_out).abs().max() / ref_out.abs().max()),
@@ -208,6 +242,9 @@ def main() -> None:
             cells = [row["results"][v] for v in VARIANTS]
             text = [f"{c['wall_ms_median']:8.2f} [{c['wall_ms_min']:.1f}-{c['wall_ms_max']:.1f}]" for c in cells]
             print(f"{size:7s} " + " ".join(t.rjust(21) for t in text))
+        print(f"{threads} thread(s): median process CPU ms")
+        for size, row in sizes.items():
+            print(f"{size:7s} " + " ".join(f"{row['results'][v]['cpu_ms_median']:21.2f}" for v in VARIANTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
