@@ -15,7 +15,8 @@ Phases are timed by wrapping the trainer's own methods on the instance (no chang
 at the second optimizer step of each generation (the end of the RL step). Rollout = generate-and-score minus the
 old-log-prob pass (as our `time/rollout` it includes rewards); updates = step minus generate-and-score.
 
-Greedy accuracy on the held-out prompts is measured before and after with ``model.generate`` (exact reversed
+Each generation also reports its prompt and generated token counts (the benchmark's FLOP anchor). Greedy
+accuracy on the held-out prompts is measured before and after with ``model.generate`` (exact reversed
 digits ended by EOS, scored by the same reward function). Prints one JSON line.
 """
 
@@ -71,6 +72,7 @@ class PhaseTimer:
                 "rollout": c["generate_and_score"] - c["old_logp"],
                 "old_logp": c["old_logp"],
                 "train": step - c["generate_and_score"],
+                "sync": 0.0,  # TRL generates with the training model itself: no weight sync
                 "step": step,
             }
         )
@@ -138,6 +140,7 @@ def main() -> None:
     reward_fn, eos = get_reward(args.reward), tokenizer.eos_token_id
     rewards: list[float] = []
     generated: list[int] = []
+    prompt_tokens: list[int] = []  # per generation, as `generated`: the FLOP count of the benchmark's anchor
 
     def reward(prompts: list, completions: list, completion_ids: list, answer: list, **_: Any) -> list[float]:
         out = []
@@ -146,6 +149,7 @@ def main() -> None:
             out.append(reward_fn(sample, text, {"answer": ans}))
         rewards.append(sum(out) / len(out))
         generated.append(sum(len(ids) for ids in completion_ids))
+        prompt_tokens.append(sum(len(tokenizer(p).input_ids) for p in prompts))
         return out
 
     reward.__name__ = args.reward
@@ -201,7 +205,7 @@ def main() -> None:
         timer = PhaseTimer(trainer, args.updates)
 
         class StepEnd(TrainerCallback):
-            def on_step_end(self, training_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 timer.step_end(state.global_step)
 
         trainer.add_callback(StepEnd())
@@ -213,6 +217,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "steps": timer.steps,
         "generated_tokens": generated,
+        "prompt_tokens": prompt_tokens,
         "reward_mean": rewards,
         "eval_accuracy": {"before": before, "after": after},
     }
