@@ -44,7 +44,13 @@ from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.route_pass import RouteMode, RoutePass
 from megatron_rl.megatron_backend.routes import MoERouters
-from megatron_rl.megatron_backend.update_metrics import NonFiniteError, drop_nonfinite_update, reduce_metrics
+from megatron_rl.megatron_backend.update_metrics import (
+    NonFiniteError,
+    drop_nonfinite_update,
+    nonfinite_problem,
+    reduce_metric_sums,
+    update_metrics,
+)
 from megatron_rl.routing.agreement import RouteAgreement
 from megatron_rl.routing.replay import FULL_CHECKS, ReplayChecks
 
@@ -341,20 +347,24 @@ class MegatronActor:
             return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
 
         outputs, _, agreement = self._run(batches, loss_func, forward_only=False, route_mode=route_mode, replay=replay)
-        if drop_nonfinite_update(outputs, self.chunks, self.optimizer, len(batches), where, on_nonfinite):
-            return {**reduce_metrics(outputs, None, self.optimizer, self._groups), "nonfinite_skipped": 1.0}
+        totals = reduce_metric_sums(outputs, self._groups)
+        overflow, grad_norm = training_setup.grad_norm_before_step(self.optimizer)
+        problem = nonfinite_problem(totals, grad_norm, outputs, self.chunks, len(batches), where)
+        if problem is not None:
+            drop_nonfinite_update(problem, self.chunks, self.optimizer, on_nonfinite)
+            return {**update_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:  # only with a loss scaler (fp16), which found an overflow the check above did not
+        # A loss scaler (fp16) found an overflow the check above did not, or Megatron refused the step.
+        if overflow or not training_setup.clip_and_step(self.optimizer, grad_norm):
             raise NonFiniteError(f"gradient overflow at {where}: the optimizer skipped the update")
         if lr is None:
             self.scheduler.step(increment=1)
             self.step += 1
         else:
             self.scheduler.step(increment=0)  # put the schedule's LR back
-        metrics = reduce_metrics(outputs, grad_norm, self.optimizer, self._groups, lr=lr)
+        metrics = update_metrics(totals, grad_norm, self.optimizer, lr=lr)
         metrics["balance/dp_imbalance"] = plan.dp_imbalance
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))

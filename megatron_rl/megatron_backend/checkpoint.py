@@ -115,8 +115,9 @@ def _init_unstepped_adam_state(actor: MegatronActor) -> None:
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                if not state:  # torch keeps a fused (or capturable) Adam's step on the parameter's device
+                    on_param = group.get("fused") or group.get("capturable")
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_param else "cpu")
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 

@@ -42,7 +42,9 @@ def wrap_for_training(
         )
         for i, chunk in enumerate(chunks)
     ]
+    check_one_grad_norm_group(wrapped)
     optimizer = get_megatron_optimizer(OptimizerConfig(**optimizer_config_fields(opt, bf16)), wrapped)
+    use_fastest_torch_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt.warmup_steps else opt.lr,
@@ -128,6 +130,67 @@ def optimizer_config_fields(opt: OptimizerOptions, bf16: bool) -> dict[str, Any]
         if offload:
             fields["store_param_remainders"] = False
     return fields
+
+
+def use_fastest_torch_adam(optimizer: Any) -> None:
+    """Step the torch Adam/AdamW Megatron falls back to (no Transformer Engine or apex: CPU, a bare GPU install)
+    with torch's fused kernel where every parameter's device and dtype have one (CPU and CUDA in torch 2.x),
+    else its multi-tensor (foreach) kernel on CUDA. Megatron builds it with torch's default, the per-tensor
+    loop on CPU. The state it keeps (`step`, `exp_avg`, `exp_avg_sq`) is the same, so checkpoints load either
+    way; TE's and apex's FusedAdam are left as they are."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    fused_devices = set(_get_fused_kernels_supported_devices())
+    for opt in inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        fused = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
+        choice = {"fused": fused, "foreach": not fused and all(p.device.type == "cuda" for p in params)}
+        inner.defaults.update(choice)
+        for group in inner.param_groups:
+            group.update(choice)
+        if fused:
+            inner._step_supports_amp_scaling = True  # as torch's constructor sets it with fused=True
+
+
+def check_one_grad_norm_group(chunks: list[nn.Module]) -> None:
+    """Refuse parameters that megatron-core 0.19 clips by a norm of their own (`grad_norm_group`: its MTP
+    layers): `clip_and_step` clips every gradient by the one global norm the non-finite check reads."""
+    tagged = sorted({str(g) for c in chunks for p in c.parameters() if (g := getattr(p, "grad_norm_group", None))})
+    if tagged:
+        raise ValueError(
+            f"parameters in a separate gradient-norm group ({', '.join(tagged)}: Megatron's multi-token-prediction "
+            "layers) are not supported: the update clips every gradient by one global norm"
+        )
+
+
+@torch.no_grad()
+def grad_norm_before_step(optimizer: Any) -> tuple[bool, Any]:
+    """Collective: `(overflow, norm)` of this update's gradients, the first half of Megatron's `step()`:
+    `prepare_grads` (the main gradients from DDP's reduced buffers; `overflow` only from a loss scaler, fp16)
+    and `get_grad_norm`, the global L2 norm over every layout (TP/EP/PP/DP; reduced over the optimizer's
+    gradient-statistics group, so the same on every rank), NaN/inf when any gradient it covers is."""
+    overflow = bool(optimizer.prepare_grads())
+    return overflow, optimizer.get_grad_norm()
+
+
+@torch.no_grad()
+def clip_and_step(optimizer: Any, grad_norm: Any) -> bool:
+    """The second half of Megatron's `step()` after `grad_norm_before_step`: every inner optimizer's gradients
+    clipped by the global `grad_norm` (as `ChainedOptimizer.step` clips them, without computing it again), then
+    Adam and the parameter gather. Returns Megatron's success flag."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in inner_optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, grad_norm, use_decoupled_grad=decoupled)
+    return bool(optimizer.step_with_ready_grads())
 
 
 def inner_optimizers(optimizer: Any) -> Iterator[Any]:

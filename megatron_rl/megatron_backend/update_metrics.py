@@ -1,6 +1,8 @@
 """What one training update's micro-batch outputs say: non-finite losses/gradients, and the reduced metrics.
 
 Each micro-batch output (last pipeline stage) is `{"loss_sum": tensor, "metrics": {name: float, "_count": int}}`.
+The non-finite check costs no pass and no collective of its own: the loss is in the metric sums every rank
+reduces anyway, and a NaN/inf gradient makes the optimizer's global gradient norm NaN/inf.
 """
 
 from __future__ import annotations
@@ -24,14 +26,23 @@ class NonFiniteError(ValueError):
     rate, rewards, data), not the code."""
 
 
-def drop_nonfinite_update(
-    outputs: list, chunks: list[Any], optimizer: Any, count: int, where: str, on: Literal["stop", "skip"]
-) -> bool:
-    """Collective: if any rank's loss or gradient is NaN/inf, drop the gradients and raise `NonFiniteError`
-    (`on="stop"`) or warn and return True (`on="skip"`: the caller skips the optimizer step)."""
-    problem = find_nonfinite(outputs, chunks, count, where)
-    if problem is None:
-        return False
+def nonfinite_problem(
+    totals: dict[str, float], grad_norm: float, outputs: list, chunks: list[Any], count: int, where: str
+) -> str | None:
+    """Why this update must not be applied, else None: read from what every rank already agrees on, the loss
+    summed over micro-batches, stages and DP ranks (`reduce_metric_sums`) and the optimizer's global gradient
+    norm (NaN/inf when any gradient it covers is). Only when one of them is not finite does this run the
+    collective diagnosis `find_nonfinite` (every rank takes the same branch: both values are the same on every
+    rank), which names the micro-batch, or finds every gradient finite (a norm that overflowed: applied, as
+    the optimizer clips it)."""
+    if math.isfinite(totals["loss"]) and math.isfinite(float(grad_norm)):
+        return None
+    return find_nonfinite(outputs, chunks, count, where)
+
+
+def drop_nonfinite_update(problem: str, chunks: list[Any], optimizer: Any, on: Literal["stop", "skip"]) -> None:
+    """Drop the gradients of an update `nonfinite_problem` refused, then raise `NonFiniteError` (`on="stop"`)
+    or warn (`on="skip"`: the caller skips the optimizer step)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -42,13 +53,13 @@ def drop_nonfinite_update(
         )
     if dist.get_rank() == 0:
         logger.warning("%s; update skipped (trainer.on_nonfinite=skip)", problem)
-    return True
 
 
 def find_nonfinite(outputs: list, chunks: list[Any], count: int, where: str) -> str | None:
     """Collective: why this update must not be applied (a NaN/inf micro-batch loss or gradient on any rank),
     else None. The gradient check reads DDP's reduced grad buckets, before the optimizer clips them (clipping
-    by a NaN norm would spread the NaN to every weight)."""
+    by a NaN norm would spread the NaN to every weight). A full pass over every bucket: `nonfinite_problem`
+    calls it only for an update already known to be non-finite."""
     bad_micro_batch, detail = 0, ""
     for i, out in enumerate(outputs if is_last_stage() else [], start=1):
         loss = float(out["loss_sum"])
@@ -73,11 +84,9 @@ def find_nonfinite(outputs: list, chunks: list[Any], count: int, where: str) -> 
     return None
 
 
-def reduce_metrics(
-    outputs: list, grad_norm: float | None, optimizer: Any, groups: dict, *, lr: float | None = None
-) -> dict[str, float]:
-    """Count-weighted means of the loss and the loss function's metrics over micro-batches and DP ranks, the
-    grad norm and the learning rate (`lr`, else the optimizer's current one)."""
+def reduce_metric_sums(outputs: list, groups: dict) -> dict[str, float]:
+    """Collective: the loss and the loss function's count-weighted metrics summed over micro-batches, pipeline
+    stages and DP ranks (`count`: the normaliser's total), the same on every rank."""
     from megatron.core import parallel_state as ps
 
     sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
@@ -93,9 +102,16 @@ def reduce_metrics(
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=groups["pp"])
         sums = box[0]
     names = sorted(sums)
-    vec = torch.tensor([sums[n] for n in names], dtype=torch.float64)
+    vec = torch.tensor([sums[n] for n in names], dtype=torch.float64, device=platform.device())
     dist.all_reduce(vec, group=groups["dp"])
-    totals = dict(zip(names, vec.tolist(), strict=True))
+    return dict(zip(names, vec.tolist(), strict=True))
+
+
+def update_metrics(
+    totals: dict[str, float], grad_norm: float | None, optimizer: Any, *, lr: float | None = None
+) -> dict[str, float]:
+    """Count-weighted means of `reduce_metric_sums`' totals, the grad norm and the learning rate (`lr`, else the
+    optimizer's current one)."""
     count = max(totals["count"], 1.0)
     metrics = {n: v / count for n, v in totals.items() if n != "count"}
     metrics["count"] = totals["count"]
