@@ -47,9 +47,9 @@ from megatron_rl.megatron_backend.routes import MoERouters
 from megatron_rl.megatron_backend.update_metrics import (
     NonFiniteError,
     drop_nonfinite_update,
+    mean_metrics,
     nonfinite_problem,
     reduce_metric_sums,
-    update_metrics,
 )
 from megatron_rl.routing.agreement import RouteAgreement
 from megatron_rl.routing.replay import FULL_CHECKS, ReplayChecks
@@ -352,7 +352,7 @@ class MegatronActor:
         problem = nonfinite_problem(totals, grad_norm, outputs, self.chunks, len(batches), where)
         if problem is not None:
             drop_nonfinite_update(problem, self.chunks, self.optimizer, on_nonfinite)
-            return {**update_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}
+            return {**mean_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -364,7 +364,7 @@ class MegatronActor:
             self.step += 1
         else:
             self.scheduler.step(increment=0)  # put the schedule's LR back
-        metrics = update_metrics(totals, grad_norm, self.optimizer, lr=lr)
+        metrics = mean_metrics(totals, grad_norm, self.optimizer, lr=lr)
         metrics["balance/dp_imbalance"] = plan.dp_imbalance
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))

@@ -107,7 +107,7 @@ def reduce_metric_sums(outputs: list, groups: dict) -> dict[str, float]:
     return dict(zip(names, vec.tolist(), strict=True))
 
 
-def update_metrics(
+def mean_metrics(
     totals: dict[str, float], grad_norm: float | None, optimizer: Any, *, lr: float | None = None
 ) -> dict[str, float]:
     """Count-weighted means of `reduce_metric_sums`' totals, the grad norm and the learning rate (`lr`, else the
