@@ -120,16 +120,18 @@ def main() -> None:
             grad = h.router.weight.grad if grad is None else grad
             router_grads.append(float(grad.norm()))
 
-    # Megatron's optimizer step comes right after the schedule; read the grads before it.
-    step_fn = actor.optimizer.step
+    # The optimizer's clip and step come right after the schedule and the grad norm; read the grads before them.
+    from megatron_rl.megatron_backend import training_setup
 
-    def step_with_probe():
+    step_fn = training_setup.clip_and_step
+
+    def step_with_probe(optimizer, grad_norm):
         grab_grads()
-        return step_fn()
+        return step_fn(optimizer, grad_norm)
 
-    actor.optimizer.step = step_with_probe
+    training_setup.clip_and_step = step_with_probe
     metrics = actor.train_step(batch, loss_fn, route_mode="replay")
-    actor.optimizer.step = step_fn
+    training_setup.clip_and_step = step_fn
     out["train_max_logp_diff"] = seen["max_diff"]
     out["train_metrics"] = {k: v for k, v in metrics.items() if k.startswith("routing/")}
     out["router_grad_norms"] = router_grads
