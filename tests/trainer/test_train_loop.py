@@ -320,7 +320,7 @@ def test_loop_under_torchrun_matches_single_process(warmed: Path, tmp_path: Path
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("replay", ["R2", "R3"])
+@pytest.mark.parametrize("replay", [pytest.param("R2", marks=pytest.mark.slow), "R3"])  # R2 per rank: tests/routing
 def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(warmed: Path, tmp_path: Path, replay: str) -> None:
     """R2/R3 under torchrun at DP=2: each rank's route cache holds only the samples it feeds (half the batch,
     uint8), the first update's ratio is exactly 1 and the losses equal the single-process run's."""
