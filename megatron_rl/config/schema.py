@@ -391,6 +391,10 @@ class DataConfig:
             return (EvalSet(name=eval_set_name(self.eval), path=self.eval, prompts=self.eval_prompts),)
         return self.eval
 
+    def eval_columns(self, spec: EvalSet) -> tuple[str, str | None]:
+        """The prompt and answer columns of evaluation dataset `spec`: its own, else data.prompt_key / answer_key."""
+        return spec.prompt_key or self.prompt_key, spec.answer_key if spec.answer_key is not None else self.answer_key
+
     def eval_is_list(self) -> bool:
         """Whether `eval` is the list form (metrics keyed eval/<name>/...; the one-dataset form keeps eval/...)."""
         return isinstance(self.eval, tuple)

@@ -71,7 +71,7 @@ class Evaluator:
             if spec.reward is None:
                 reward = data.reward_fn
             else:
-                answer_key = spec.answer_key if spec.answer_key is not None else cfg.data.answer_key
+                answer_key = cfg.data.eval_columns(spec)[1]
                 specs = (spec.reward,) if isinstance(spec.reward, str) else spec.reward
                 reward = RewardSet.from_specs(
                     specs, failure_limit=cfg.data.reward_failure_limit, answer_column=answer_key or ""

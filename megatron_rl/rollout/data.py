@@ -86,9 +86,8 @@ class PromptData:
         if spec.path in SYNTHETIC_TASKS:
             task = self.task if spec.path == self.cfg.data.train_sources()[0].path else None
             return (task or _synthetic(self, spec.path)).eval_prompts(n)
-        data = self.cfg.data
-        answer_key = spec.answer_key if spec.answer_key is not None else data.answer_key
-        return self._load_prompts(spec.path, prompt_key=spec.prompt_key or data.prompt_key, answer_key=answer_key)[:n]
+        prompt_key, answer_key = self.cfg.data.eval_columns(spec)
+        return self._load_prompts(spec.path, prompt_key=prompt_key, answer_key=answer_key)[:n]
 
     def _load_prompts(self, path: str, *, prompt_key: str, answer_key: str | None) -> list[Any]:
         """The rows of `path` as prompts (`prompts.load_prompts`)."""
