@@ -199,6 +199,12 @@ class SGLangConfig:
         "cache_aware", help="load-balancing policy of the launched router"
     )
     startup_timeout_s: float = setting(600.0, help="seconds to wait for servers to become healthy", gt=0)
+    group_timeout_s: float = setting(
+        120.0,
+        help="weight_sync=distributed: seconds the broadcast group may take to form, and one collective of a "
+        "weight transfer to finish, before the sync fails naming the address and ranks",
+        gt=0,
+    )
     request_timeout_s: float = setting(1800.0, help="seconds one generate request may take", gt=0)
     python: str = setting("python3", help="Python executable with sglang installed, used to launch the servers")
     extra_args: tuple[str, ...] = setting((), help="further `sglang.launch_server` flags for launched servers")
@@ -233,6 +239,13 @@ class RolloutConfig:
         "distributed = NCCL broadcast to separate servers, disk = via a checkpoint directory (fallback)",
     )
     bucket_mb: int = setting(512, help="weights are sent in buckets of at most this many MiB", ge=1)
+    verify_sync: Literal["off", "first", "every"] = setting(
+        "every",
+        help="after a weight sync the engine scores a probe of the run's prompts (prefill only) and reports its "
+        "weight version; a log-prob error beyond the per-dtype tolerance, or another version, stops the run. "
+        "every = the first sync and every verify_sync_every-th after it; first = the first sync only",
+    )
+    verify_sync_every: int = setting(10, help="verify_sync=every: verify one sync in this many", ge=1)
     restarts_per_step: int = setting(
         2,
         help="a dead or hung rollout server is restarted, given the current weights and the step's rollout "

@@ -116,6 +116,14 @@ class PromptData:
         prompts = self._file_prompts() if eval_set is None else self._eval[eval_set]
         return max(((len(p.token_ids), p.origin) for p in prompts), key=lambda t: t[0], default=(0, ""))
 
+    def probe_prompts(self, tokens: int = 256) -> list[list[int]]:
+        """The weight-sync probe (`sync_probe.probe_prompts`): token ids of the first training prompts (a built-in
+        task's first held-out ones), `tokens` in all."""
+        from megatron_rl.rollout.sync_probe import probe_prompts
+
+        rows = self.train_prompts if self.task is None else self.task.eval_prompts(max(8, tokens // 4))
+        return probe_prompts((p.token_ids for p in rows), tokens)
+
     def sft_source(self) -> Any:
         """The warm-up's examples (`open_sft_source`: `warmup.data`, default `data.train`), read on first use."""
         if getattr(self, "_sft", None) is None:

@@ -25,6 +25,16 @@ class SamplingParams:
     seed: int | None = field(default=None, metadata={"help": "sampling seed (reproducible rollouts)"})
 
 
+@dataclass(frozen=True)
+class ServedScores:
+    """What one replica of an engine (the local model, one SGLang server) computes for a weight-sync probe."""
+
+    replica: str  # "local engine" or the server's URL
+    version: str  # the weight version the replica itself reports holding
+    dtype: str  # the dtype it computes in ("float32", "bfloat16", ...)
+    log_probs: list[list[float]]  # per prompt: log p(prompt[t] | prompt[:t]) for t >= 1, temperature 1
+
+
 class RolloutEngineError(RuntimeError):
     """The engine failed in a way `RolloutEngine.recover()` may repair (a dead or hung server)."""
 
@@ -43,6 +53,10 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, buckets: Iterable[NamedTensorBucket], version: str) -> None:
         """Load HF-named full tensors (streamed in buckets) and stamp later samples with `version`."""
+        ...
+
+    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+        """Prefill only: each replica's teacher-forced log-probs of `prompts` and the version it reports."""
         ...
 
     def pause(self) -> None: ...

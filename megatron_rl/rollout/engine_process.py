@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # registers torch's tensor reductions with multiprocessing's pickler
 
-from megatron_rl.rollout.engine import NamedTensorBucket, RolloutEngineError, SamplingParams
+from megatron_rl.rollout.engine import NamedTensorBucket, RolloutEngineError, SamplingParams, ServedScores
 from megatron_rl.rollout.engine_process_child import EngineLaunch, TensorSlot, bucket_slots, serve
 from megatron_rl.rollout.sample import Sample
 
@@ -115,6 +115,10 @@ class ProcessEngine:
             if loading is not None:
                 child.wait(loading, timeout_s=self.control_timeout_s)
             self._version = child.wait(end, timeout_s=self.control_timeout_s)
+
+    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+        """The child engine's probe scores (`LocalEngine.score_prompts`)."""
+        return self._live().request("score_prompts", (prompts,), timeout_s=self.request_timeout_s)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._call("release_memory", tags)

@@ -121,6 +121,7 @@ class _Server:
         workers: dict[str, Callable[..., Any]] = {
             "release_memory": self.engine.release_memory,
             "resume_memory": self.engine.resume_memory,
+            "score_prompts": self.engine.score_prompts,
         }
         while True:
             try:

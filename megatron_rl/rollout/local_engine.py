@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from megatron_rl.megatron_backend.models.architecture import model_dims, route_recorder
-from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
+from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams, ServedScores
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.hf_weight_loading import HFWeightLoader
 from megatron_rl.rollout.sample import FinishReason, Sample
@@ -153,6 +153,30 @@ class LocalEngine:
         missing = len({id(p) for p in params.values()} - {id(params[name]) for name in touched})  # tied: one
         log = logger.warning if loaded == 0 else logger.info
         log("weights %s: %d tensors loaded, %d model parameters not updated", version, loaded, missing)
+
+    @torch.inference_mode()
+    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+        """Teacher-forced log-probs (temperature 1) of every prompt's tokens after its first, in one right-padded
+        forward pass under the current weights (atomic w.r.t. weight updates), and the version they are."""
+        self._check_open()
+        self.memory.check_can_generate()
+        if any(len(p) < 2 for p in prompts):
+            raise ValueError("every probe prompt needs at least two tokens")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt)
+            mask[i, : len(prompt)] = 1
+        with self._lock:
+            self._check_open()
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            version = self._version
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None].to(self.device))
+        rows = logp[..., 0].cpu()
+        scores = [rows[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return [ServedScores("local engine", version, dtype, scores)]
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the parameters' storage ("weights"; values discarded); "kv_cache" and "cuda_graph" hold nothing

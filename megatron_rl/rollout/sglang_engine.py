@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from megatron_rl.megatron_backend.models.architecture import ModelDims, model_dims
-from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams
+from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams, ServedScores
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
@@ -224,16 +224,27 @@ class SGLangEngine:
             self.servers.stop()
 
     # ------------------------------------------------------------------ extras
-    def score(self, token_ids: list[int], server: int = 0) -> list[float]:
-        """Teacher-forced log-probs of `token_ids[1:]` under the served weights (a probe for weight sync)."""
+    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+        """Every server's teacher-forced log-probs (temperature 1) of each prompt's tokens after its first (one
+        prefill-only /generate batch per server), with the weight version and dtype it reports (/model_info,
+        /server_info)."""
+        if any(len(p) < 2 for p in prompts):
+            raise ValueError("every probe prompt needs at least two tokens")
+        return list(self._pool.map(lambda url: self._score_on(url, prompts), self.urls))
+
+    def _score_on(self, url: str, prompts: list[list[int]]) -> ServedScores:
         body = {
-            "input_ids": token_ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        out = request_json(self.urls[server], "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
-        return [float(lp) for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+        out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
+        items = out if isinstance(out, list) else [out]
+        scores = [[float(lp) for lp, _, _ in item["meta_info"]["input_token_logprobs"][1:]] for item in items]
+        info = request_json(url, "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
+        server = request_json(url, "/server_info", timeout_s=self.control_timeout_s, api_key=self._key)
+        return ServedScores(url, str(info.get("weight_version")), str(server.get("dtype", "unknown")), scores)
 
     def flush_cache(self) -> None:
         self._broadcast("/flush_cache", {})

@@ -57,6 +57,7 @@ from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.step_metrics import mismatch_metrics, update_metrics
 from megatron_rl.trainer.stop_signals import StopSignals
+from megatron_rl.trainer.sync_verification import SyncVerifier, build_verifier
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
@@ -88,6 +89,7 @@ class StepParts:
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
+    verifier: SyncVerifier | None = None  # rollout.verify_sync: which syncs are checked against a probe
 
     @property
     def requests(self) -> RolloutEngine | None:
@@ -271,6 +273,7 @@ def _build_parts(
     source = SyncRollout(engine, data) if engine is not None else None  # async mode: replaced once warmed up
     parts = StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source)
     parts.evaluator = evaluator if engine is not None else None
+    parts.verifier = build_verifier(cfg.rollout, data)
     return parts, state
 
 
@@ -305,7 +308,7 @@ def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: P
         parts.reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
-    sync_weights(actor, parts.engine, cfg, version=f"step-{state['step']}")
+    sync_weights(actor, parts.engine, cfg, version=f"step-{state['step']}", verifier=parts.verifier)
     return True
 
 
@@ -358,17 +361,21 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank. Colocated: the engine
     #    holds the accelerator (memory.for_rollout), then hands it to the trainer (memory.for_training).
     p.memory.for_rollout()
-    samples, metrics = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory)
+    samples, metrics = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory, p.verifier)
     p.memory.for_training()
     timings["time/rollout"] = time.perf_counter() - t0
     if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
             with p.source.updating(step) if p.source is not None else nullcontext():
-                sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync")
+                sync_or_defer(
+                    actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync", verifier=p.verifier
+                )
         elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
             p.memory.for_weight_sync()
-            sync_or_defer(actor, p.engine, cfg, version=f"step-{step - 1}", what=f"step {step}: weight sync")
-        return {**metrics, **timings, **p.memory.pop_metrics(), "time/step": time.perf_counter() - t0}
+            what = f"step {step}: weight sync"
+            sync_or_defer(actor, p.engine, cfg, version=f"step-{step - 1}", what=what, verifier=p.verifier)
+        verified = p.verifier.pop_metrics() if p.verifier is not None else {}
+        return {**metrics, **timings, **p.memory.pop_metrics(), **verified, "time/step": time.perf_counter() - t0}
 
     # 2. Advantages from the group-structured rewards.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -417,10 +424,11 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     t = time.perf_counter()
     p.memory.for_weight_sync()
     with p.source.updating(step) if p.source is not None else nullcontext():
-        sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync")
+        what = f"step {step}: weight sync"
+        sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=what, verifier=p.verifier)
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
-    metrics.update({**timings, **p.memory.pop_metrics()})
+    metrics.update({**timings, **p.memory.pop_metrics(), **(p.verifier.pop_metrics() if p.verifier else {})})
     metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / timings["time/step"]
     return metrics
 

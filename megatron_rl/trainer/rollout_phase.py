@@ -10,7 +10,7 @@ function here is collective.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -18,6 +18,9 @@ from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
+
+if TYPE_CHECKING:
+    from megatron_rl.trainer.sync_verification import SyncVerifier
 
 
 class RolloutSource(Protocol):
@@ -63,6 +66,7 @@ def collect_rollout(
     engine: RolloutEngine | None,
     source: RolloutSource | None,
     memory: ColocatedMemory,
+    verifier: SyncVerifier | None = None,
 ) -> tuple[list, dict[str, float]]:
     """Rank 0 takes the step's samples from `source` and shares them. When a rollout server (or the engine's
     process) dies or hangs, the engine restarts it, every rank re-sends the current weights and the step's rollout
@@ -96,30 +100,52 @@ def collect_rollout(
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         with source.updating(step - 1, on_schedule=False) if source is not None else nullcontext():
-            sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=f"step {step}: re-sending the weights")
+            what = f"step {step}: re-sending the weights"
+            sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=what, verifier=verifier)
         memory.for_rollout()
 
 
-def sync_weights(actor: MegatronActor, engine: RolloutEngine | None, cfg: Any, *, version: str) -> None:
-    """Stream the actor's weights (HF names) into the rollout engine (collective: every rank exports)."""
+def sync_weights(
+    actor: MegatronActor,
+    engine: RolloutEngine | None,
+    cfg: Any,
+    *,
+    version: str,
+    verifier: SyncVerifier | None = None,
+) -> None:
+    """Stream the actor's weights (HF names) into the rollout engine (collective: every rank exports); with a
+    `verifier`, the syncs it asks for are checked against the engine's probe scores."""
     buckets = actor.export_hf(bucket_bytes=cfg.rollout.bucket_mb << 20)
+    failed: RolloutEngineError | None = None
     if engine is None:
         for _ in buckets:
             pass
-        return
-    try:
-        engine.update_weights(buckets, version)
-    except RolloutEngineError:
-        for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
-            pass
-        raise
+    else:
+        try:
+            engine.update_weights(buckets, version)
+        except RolloutEngineError as err:
+            for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
+                pass
+            failed = err
+    if verifier is not None:
+        verifier.after_sync(actor, engine, version, synced=engine is not None and failed is None)
+    if failed is not None:
+        raise failed
 
 
-def sync_or_defer(actor: MegatronActor, engine: RolloutEngine | None, cfg: Any, *, version: str, what: str) -> None:
+def sync_or_defer(
+    actor: MegatronActor,
+    engine: RolloutEngine | None,
+    cfg: Any,
+    *,
+    version: str,
+    what: str,
+    verifier: SyncVerifier | None = None,
+) -> None:
     """`sync_weights`, or, when the engine fails (rank 0 only), say so and leave the repair to the next rollout
     (it restarts the server and re-sends the weights)."""
     try:
-        sync_weights(actor, engine, cfg, version=version)
+        sync_weights(actor, engine, cfg, version=version, verifier=verifier)
     except RolloutEngineError as err:
         print(f"{what} failed ({err}); recovering at the next rollout", flush=True)
 

@@ -1,0 +1,115 @@
+"""Verified weight syncs: after a sync the engine scores a fixed probe, and its log-probs must be the trainer's.
+
+The probe is a few hundred tokens of the run's own prompts, scored prefill-only (teacher-forced, temperature 1)
+by every replica of the engine (`RolloutEngine.score_prompts`) and by the trainer's actor under the weights just
+sent. Each replica must also report the version that was sent. The tolerance is per dtype of the engine's
+compute, measured on healthy syncs (docs/reliability.md, "Verified weight syncs"): any replica beyond it stops
+the run with `WeightSyncMismatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.rollout.engine import ServedScores
+
+VerifyMode = Literal["off", "first", "every"]
+PROBE_TOKENS = 256  # tokens of real prompts per probe
+
+
+@dataclass(frozen=True)
+class ProbeTolerance:
+    """Largest healthy |served - trainer| log-prob over the probe: per token (`max_abs`) and its mean."""
+
+    max_abs: float
+    mean_abs: float
+
+
+# Measured healthy maxima (docs/reliability.md gives the commands and the figures) times a margin of 10.
+TOLERANCES: dict[str, ProbeTolerance] = {
+    "float32": ProbeTolerance(max_abs=1e-3, mean_abs=1e-4),
+    "bfloat16": ProbeTolerance(max_abs=1.0, mean_abs=0.1),
+    "float16": ProbeTolerance(max_abs=1.0, mean_abs=0.1),
+}
+LIKELY_CAUSES = (
+    "an engine kernel that re-lays out or re-quantises MoE expert weights after loading, a parameter the sync "
+    "missed (a name the engine does not map, a draft/MTP module), or a wrong TP/EP merge of a sharded parameter"
+)
+
+
+class WeightSyncMismatch(RuntimeError):
+    """The engine does not compute with the weights the trainer sent."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    replica: str
+    max_abs: float
+    mean_abs: float
+    tokens: int
+
+
+def tolerance_for(dtype: str) -> ProbeTolerance:
+    """The tolerance of an engine computing in `dtype`; the loosest (bfloat16) for an unknown one."""
+    return TOLERANCES.get(dtype.removeprefix("torch."), TOLERANCES["bfloat16"])
+
+
+def verify_due(mode: VerifyMode, every: int, sync_index: int) -> bool:
+    """Whether sync number `sync_index` (0 = the run's first) is verified: never, the first only, or the first
+    and every `every`-th after it."""
+    if mode == "off":
+        return False
+    if mode == "first":
+        return sync_index == 0
+    return sync_index % every == 0
+
+
+def probe_prompts(prompts: Iterable[list[int]], tokens: int = PROBE_TOKENS) -> list[list[int]]:
+    """Whole prompts (>= 2 tokens each) in order until they hold `tokens` tokens, the last one cut to fit."""
+    out: list[list[int]] = []
+    total = 0
+    for prompt in prompts:
+        if len(prompt) < 2:
+            continue
+        take = list(prompt[: tokens - total])
+        if len(take) >= 2:
+            out.append(take)
+            total += len(take)
+        if total >= tokens:
+            break
+    if not out:
+        raise ValueError("no prompt of two or more tokens to build the weight-sync probe from")
+    return out
+
+
+def compare_probe(
+    expected: list[list[float]], served: ServedScores, version: str, tolerance: ProbeTolerance | None = None
+) -> ProbeResult:
+    """|served - expected| over the probe; raises `WeightSyncMismatch` when the replica reports another version
+    than `version` or the error exceeds `tolerance` (default: `tolerance_for(served.dtype)`)."""
+    tol = tolerance or tolerance_for(served.dtype)
+    if served.version != version:
+        raise WeightSyncMismatch(
+            f"weight sync to version {version!r}: {served.replica} reports version {served.version!r} after the "
+            f"sync (the update did not reach it, or it was restarted since); likely causes: {LIKELY_CAUSES}"
+        )
+    if [len(r) for r in served.log_probs] != [len(r) for r in expected]:
+        raise WeightSyncMismatch(
+            f"weight sync to version {version!r}: {served.replica} scored {sum(map(len, served.log_probs))} probe "
+            f"tokens, the trainer {sum(map(len, expected))}"
+        )
+    pairs = zip(served.log_probs, expected, strict=True)
+    diffs = [abs(a - b) for got, want in pairs for a, b in zip(got, want, strict=True)]
+    result = ProbeResult(served.replica, max(diffs), sum(diffs) / len(diffs), len(diffs))
+    if not (result.max_abs <= tol.max_abs and result.mean_abs <= tol.mean_abs):  # NaN fails too
+        raise WeightSyncMismatch(
+            f"weight sync to version {version!r} did not take effect on {served.replica}: on a probe of "
+            f"{result.tokens} prompt tokens its log-probs differ from the trainer's by max |dlogp| = "
+            f"{result.max_abs:.4g}, mean {result.mean_abs:.4g} (tolerance for {served.dtype}: max "
+            f"{tol.max_abs:g}, mean {tol.mean_abs:g}); likely causes: {LIKELY_CAUSES}. The run stops: generating "
+            "with other weights than the trained ones corrupts every later step (rollout.verify_sync=off skips "
+            "this check)"
+        )
+    return result
