@@ -21,7 +21,11 @@ Phases (seconds per RL step; step 1 of each run is left out, as one-time warm-up
   sync      the weight sync to the engine (ours: ``time/weight_sync``; TRL generates with the training model: 0)
   step      the whole RL step (ours: ``time/step``; TRL: from generation to the second ``on_step_end``)
 Ratios are ours / TRL's of the medians (goal <= 1.0). Generated tokens/s = generated tokens / step seconds.
-Learning: greedy accuracy on the held-out prompts before and after each run and the mean reward per step.
+Learning: greedy accuracy on the held-out prompts before and after each run and the mean reward per step. Repeat
+r runs both sides with RL seed ``--seeds[r % len(--seeds)]`` (prompt stream, held-out prompts, sampling; the
+warmed-up start is the same for all), so ``--seeds 1234,1235 --repeats 2 --eval-prompts 256`` is the learning
+check of two seeds on 256 held-out prompts; "learning gap" is the mean over repeats of ours' final accuracy less
+TRL's.
 
 The matmul anchor: each phase's floating-point work, 2 x active parameters x tokens for generation and scoring
 and 6 x for the updates ("active": the non-embedding parameters a token passes through, i.e. every weight but the
@@ -137,12 +141,13 @@ def warm_up(work: Path, spec: TinyQwen3MoeSpec, args: argparse.Namespace) -> Pat
     return model
 
 
-def run_ours(model: Path, work: Path, args: argparse.Namespace) -> dict:
+def run_ours(model: Path, work: Path, args: argparse.Namespace, seed: int) -> dict:
     out = Path(tempfile.mkdtemp(dir=work, prefix="ours-"))
     overrides = [
         f"trainer.output_dir={out}",
         f"model.hf_path={model}",
         "model.build_tiny_if_missing=false",
+        f"trainer.seed={seed}",
         "warmup.sft_steps=0",
         f"trainer.steps={args.steps}",
         f"data.eval_every={args.steps}",
@@ -167,8 +172,8 @@ def run_ours(model: Path, work: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def run_trl(model: Path, args: argparse.Namespace) -> dict:
-    cmd = [args.trl_python, str(WORKER), "--model", str(model), "--steps", str(args.steps)]
+def run_trl(model: Path, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [args.trl_python, str(WORKER), "--model", str(model), "--steps", str(args.steps), "--seed", str(seed)]
     cmd += ["--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads)]
     stdout, wall = run(cmd, args.threads)
     result = json.loads(stdout.rsplit("TRL_RESULT ", 1)[1].splitlines()[0])
@@ -376,6 +381,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved pairs of runs (ours, TRL)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each framework")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts of the greedy accuracy")
+    parser.add_argument("--seeds", default=str(SEED), help="comma-separated RL seeds, one per repeat (cycled)")
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that has TRL")
     parser.add_argument("--model", type=Path, help="a warmed-up HF model directory (default: warm up here)")
     parser.add_argument("--work", type=Path, help="keep the warm-up here and reuse it (default: a temporary dir)")
@@ -391,6 +397,7 @@ def main() -> None:
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     name, spec = choose_spec(args)
+    seeds = [int(x) for x in args.seeds.split(",")]
 
     version = trl_version(args.trl_python)
     if version is None:
@@ -410,7 +417,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for side in ("ours", "trl"):
                 print(f"repeat {repeat + 1}/{args.repeats}: {side} ({args.steps} steps)", flush=True)
-                runs[side].append(run_ours(model, work, args) if side == "ours" else run_trl(model, args))
+                seed = seeds[repeat % len(seeds)]
+                runs[side].append(run_ours(model, work, args, seed) if side == "ours" else run_trl(model, args, seed))
         per_run = {side: [summarise(r) for r in rs] for side, rs in runs.items()}
         median = {side: {k: statistics.median(s[k] for s in rs) for k in rs[0]} for side, rs in per_run.items()}
         both = {k: (median["ours"][f"{k}_tokens"] + median["trl"][f"{k}_tokens"]) / 2 for k in ("prompt", "generated")}
@@ -443,7 +451,9 @@ def main() -> None:
         print(f"{phase:<10}{work}{o['matmul_limit_s']:>10.4f}{fractions}")
     learning = {side: [r["eval_accuracy"] for r in rs] for side, rs in runs.items()}
     for side, accs in learning.items():
-        print(f"greedy accuracy {side:>4}: " + ", ".join(f"{a['before']:.2f} -> {a['after']:.2f}" for a in accs))
+        print(f"greedy accuracy {side:>4}: " + ", ".join(f"{a['before']:.3f} -> {a['after']:.3f}" for a in accs))
+    gap = statistics.mean(o["after"] - t["after"] for o, t in zip(learning["ours"], learning["trl"], strict=True))
+    print(f"learning gap (ours - TRL, final greedy accuracy, mean over {args.repeats} repeats): {gap:+.3f}")
     print(f"at end: {uptime_end}")
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
@@ -461,6 +471,7 @@ def main() -> None:
         "command": ("python benchmarks/bench_vs_trl.py " + " ".join(sys.argv[1:])).strip(),
         "trl": version,
         "settings": {"steps": args.steps, "repeats": args.repeats, "threads": args.threads, "prompts": PROMPTS,
+                     "eval_prompts": args.eval_prompts,
                      "samples": SAMPLES, "max_new_tokens": 16, "loss": "gspo 3e-4/4e-4", "updates_per_step": UPDATES},
         "median": median,
         "ratio_ours_over_trl": ratio,
@@ -470,6 +481,8 @@ def main() -> None:
         "matmul_anchor": anchors,
         "per_run": per_run,
         "eval_accuracy": learning,
+        "seeds": [seeds[r % len(seeds)] for r in range(args.repeats)],
+        "learning_gap_ours_minus_trl": gap,
         "reward_mean_per_step": {side: [r["reward_mean"] for r in rs] for side, rs in runs.items()},
         "process_seconds": {side: [r["process_seconds"] for r in rs] for side, rs in runs.items()},
         "runs": runs,

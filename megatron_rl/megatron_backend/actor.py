@@ -176,6 +176,12 @@ class MegatronActor:
         self._offload = None
         return stats
 
+    def _set_training(self, mode: bool) -> None:
+        """Train or eval mode for every chunk; `Module.train` walks every submodule, so only on a change."""
+        for chunk in self.chunks:
+            if chunk.training != mode:
+                chunk.train(mode)
+
     def _check_resident(self, what: str) -> None:
         if self._offload is not None:
             raise RuntimeError(f"MegatronActor.{what}(): the actor is offloaded; call reload() first")
@@ -260,8 +266,7 @@ class MegatronActor:
         """Per-token log-probs (and entropy; recorded routes or the replay agreement, per `route_mode`) for
         the whole batch, identical on every rank."""
         self._check_resident("compute_log_probs")
-        for chunk in self.chunks:
-            chunk.eval()
+        self._set_training(False)
         plan = self._plan(batch)
         shard, index, batches = plan.shard, plan.index, plan.batches
         results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -331,8 +336,8 @@ class MegatronActor:
         where: str,
     ) -> dict[str, float]:
         self._check_resident("train_step")
+        self._set_training(True)
         for chunk in self.chunks:
-            chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         plan = self._plan(batch)

@@ -87,10 +87,11 @@ def plan_micro_batches(
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     count_needed = micro_batch_count(int(count), layout)
-    if packing:
-        groups = split_micro_batches(mine, max_tokens, min_count=count_needed, alpha=quadratic)
-    else:
-        groups = regroup(groups, count_needed)
+    if count_needed > len(groups):  # another rank (or the VPP schedule) needs more: refit to that count
+        if packing:
+            groups = split_micro_batches(mine, max_tokens, min_count=count_needed, alpha=quadratic)
+        else:
+            groups = regroup(groups, count_needed)
     order = [i for g in groups for i in g]
     index = [index[i] for i in order]
     shard = batch.select(index)
