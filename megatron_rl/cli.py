@@ -90,6 +90,12 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        # A check that stops the run on purpose (e.g. sync_probe.WeightSyncMismatch) says why in its message.
+        if args.traceback or not getattr(err, "stops_run", False):
+            raise
+        print(f"megatron-rl {args.command}: stopped: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ LIKELY_CAUSES = (
 class WeightSyncMismatch(RuntimeError):
     """The engine does not compute with the weights the trainer sent."""
 
+    stops_run = True  # the CLI prints the message alone, no traceback
+
 
 @dataclass(frozen=True)
 class ProbeResult:
