@@ -40,6 +40,7 @@ def test_resume_continues_exactly(
     assert full["steps"][0]["loss"] != full["steps"][1]["loss"]
 
 
+@pytest.mark.same_on_every_megatron  # our writer's atomic rename: no Megatron call differs
 def test_crash_during_save_keeps_previous_checkpoint(tiny_moe_dir: Path, trained_actor_checkpoint, tmp_path: Path):
     shared = trained_actor_checkpoint()
     ckpt, full = shutil.copytree(shared.ckpt, tmp_path / "ckpt"), shared.full  # the crash writes into it
@@ -62,6 +63,7 @@ def test_model_weights_load_into_any_layout(tiny_moe_dir: Path, trained_actor_ch
         assert worst < 5e-6, f"{extra}: {worst}"
 
 
+@pytest.mark.same_on_every_megatron  # our background writer's ordering; the save itself is test_resume_continues_exactly's
 def test_background_save_waits_for_the_previous_and_resumes_exactly(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """Two data-parallel ranks save steps 1, 2 and 3 in the background while training goes on: a background save is
     published by its writer thread once both ranks have written it (at once or later, never half), the next save

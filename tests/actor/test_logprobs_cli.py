@@ -142,12 +142,14 @@ def _fail(args: list[str]) -> str:
     return proc.stderr
 
 
+@pytest.mark.same_on_every_megatron  # refused before a model is built
 def test_rejects_tokens_outside_vocabulary(tiny_moe_dir: Path, tmp_path: Path) -> None:
     inp = _write(tmp_path / "in.jsonl", [{"input_ids": [1, 2, 500], "response_start": 1}])
     err = _fail(["--hf-model", str(tiny_moe_dir), "--input", str(inp), "--output", str(tmp_path / "o")])
     assert "outside the model's vocabulary of 128" in err
 
 
+@pytest.mark.same_on_every_megatron  # refused before a model is built
 def test_rejects_unsupported_architecture(tiny_moe_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "llama"
     model.mkdir()
@@ -170,6 +172,7 @@ def test_rejects_checkpoint_that_does_not_match_config(tiny_moe_dir: Path, tiny_
     assert "does not match the config" in err or "different architectures" in err
 
 
+@pytest.mark.same_on_every_megatron  # refused before a model is built
 def test_rejects_invalid_layout(tiny_moe_dir: Path, tmp_path: Path) -> None:
     inp = _write(tmp_path / "in.jsonl", make_samples(128, n=1))
     err = _fail(["--hf-model", str(tiny_moe_dir), "--input", str(inp), "--output", str(tmp_path / "o"), "--tp", "2"])

@@ -128,6 +128,7 @@ def _copy_with_config(source: Path, dest: Path, **changes) -> Path:
     return dest
 
 
+@pytest.mark.same_on_every_megatron  # the HF config is checked against the weights before Megatron
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
