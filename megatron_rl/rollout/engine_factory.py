@@ -47,7 +47,12 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
                 api_key_file=str(launch_api_key_file(sg.api_key_file, cfg.trainer.output_dir)),
             )
         )
-    weight_sync = make_weight_sync(cfg.rollout.weight_sync, tp_size=sg.tp_size, master_address=sg.trainer_address)
+    weight_sync = make_weight_sync(
+        cfg.rollout.weight_sync,
+        tp_size=sg.tp_size,
+        master_address=sg.trainer_address,
+        group_timeout_s=sg.group_timeout_s,
+    )
     return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
 
 

@@ -13,10 +13,12 @@ Input everywhere: an iterable of buckets `list[(hf_name, full_tensor)]`, e.g.
   the servers can read, then `/update_weights_from_disk`.
 
 Every path ends with the new `weight_version` on the servers and a flushed prefix cache; `update()` returns a
-`SyncReport` (bytes, seconds). `check_weights_arrived()` compares served log-probs of a probe with expected ones.
-Every HTTP call carries the servers' API key (`api_key=`). The broadcast group's TCP store listens on
-`master_address` only and its keys sit under a fresh random prefix that only the servers learn, over the
-authenticated API (docs/security.md says what that does and does not protect).
+`SyncReport` (bytes, seconds); `sync_probe` checks that the engine computes with the weights sent.
+Every HTTP call carries the servers' API key (`api_key=`). The broadcast group's rendezvous store
+(`broadcast_store.GuardedStore`) listens on `master_address` only and serves only clients that present the group's
+fresh random key prefix, which only the servers learn, over the authenticated API (docs/security.md says what that
+does and does not protect). The group's formation and each of its collectives end within `group_timeout_s` with
+an error naming the address, the ranks and the likely cause.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +41,7 @@ from typing import Protocol
 import torch
 
 from megatron_rl.megatron_backend.safetensors_files import copy_files, is_weights_file, write_safetensors_dir
+from megatron_rl.rollout.broadcast_store import GuardedStore
 from megatron_rl.rollout.engine import NamedTensorBucket
 from megatron_rl.rollout.sglang_server import SGLangServerError, request_json
 
@@ -77,13 +80,16 @@ class WeightSync(Protocol):
         ...
 
 
-def make_weight_sync(path: str, *, tp_size: int = 1, master_address: str = "127.0.0.1") -> WeightSync:
+def make_weight_sync(
+    path: str, *, tp_size: int = 1, master_address: str = "127.0.0.1", group_timeout_s: float = 120.0
+) -> WeightSync:
     """A strategy by name: "tensor", "distributed" or "disk"; `tp_size` = GPUs (TP ranks) per server,
-    `master_address` = where the servers reach this process for the distributed broadcast group."""
+    `master_address` = where the servers reach this process for the distributed broadcast group, which must form
+    and finish each collective within `group_timeout_s`."""
     if path == "tensor":
         return TensorWeightSync(tp_size=tp_size)
     if path == "distributed":
-        return DistributedWeightSync(master_address=master_address, tp_size=tp_size)
+        return DistributedWeightSync(master_address=master_address, tp_size=tp_size, group_timeout_s=group_timeout_s)
     if path == "disk":
         return DiskWeightSync()
     raise ValueError(f"unknown weight-sync path {path!r}; expected 'tensor', 'distributed' or 'disk'")
@@ -202,7 +208,7 @@ class DistributedWeightSync:
     master_port: int = 0  # 0 = a free port
     tp_size: int = 1  # TP ranks per server (engine rank = 1 + server index * tp_size + tp rank)
     group_name: str = "megatron_rl_weight_update"  # + a fresh random suffix per group (the store's key prefix)
-    init_timeout_s: float = 120.0
+    group_timeout_s: float = 120.0  # the group's formation, and each collective of a transfer
     split_experts: bool = True
 
     def __post_init__(self) -> None:
@@ -211,12 +217,16 @@ class DistributedWeightSync:
         self._device = torch.device("cpu")
         self._api_key: str | None = None
         self._group_id = self.group_name  # the current group's name: group_name + a random suffix
+        self._store: GuardedStore | None = None
+        self._where = ""  # "address:port (world size N)" of the current group, for error messages
 
     def connect(self, urls: list[str], timeout_s: float, api_key: str | None = None) -> None:
         """Create the group: every server joins via HTTP while this process joins as rank 0.
 
-        The store listens on `master_address` only; the group's name (its keys' prefix in the store) gets a fresh
-        random suffix that the servers learn only through the authenticated `/init_weights_update_group`."""
+        The store listens on `master_address` only and serves only keys under the group's name, which gets a fresh
+        random suffix that the servers learn only through the authenticated `/init_weights_update_group`. Raises
+        `SGLangServerError` naming the address, the ranks and the likely cause when the group has not formed
+        within `group_timeout_s`."""
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._api_key = api_key
@@ -224,31 +234,56 @@ class DistributedWeightSync:
         listener = _listen(self.master_address, self.master_port)
         port = listener.getsockname()[1]
         world_size = 1 + len(urls) * self.tp_size
-        with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            futures = [
-                pool.submit(
-                    request_json,
-                    url,
-                    "/init_weights_update_group",
-                    {
-                        "master_address": self.master_address,
-                        "master_port": port,
-                        "rank_offset": 1 + i * self.tp_size,
-                        "world_size": world_size,
-                        "group_name": self._group_id,
-                        "backend": backend,
-                    },
-                    timeout_s=timeout_s,
-                    api_key=api_key,
-                )
-                for i, url in enumerate(urls)
-            ]
-            self._group = _new_process_group(
-                backend, listener, world_size, self._group_id, self.init_timeout_s, self.master_address
+        self._where = f"{self.master_address}:{port} (world size {world_size})"
+        self._store = GuardedStore(listener, self._group_id)
+        pool = ThreadPoolExecutor(max(1, len(urls)))
+        futures = [
+            pool.submit(
+                request_json,
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": port,
+                    "rank_offset": 1 + i * self.tp_size,
+                    "world_size": world_size,
+                    "group_name": self._group_id,
+                    "backend": backend,
+                },
+                timeout_s=timeout_s,
+                api_key=api_key,
             )
+            for i, url in enumerate(urls)
+        ]
+        try:
+            self._group = _new_process_group(
+                backend, self.master_address, port, world_size, self._group_id, self.group_timeout_s
+            )
+        except Exception as err:  # torch raises DistStoreError / DistNetworkError / RuntimeError
+            answers = [_answer_of(url, f) for url, f in zip(urls, futures, strict=True)]
+            pool.shutdown(wait=False, cancel_futures=True)  # a server that never answers must not hold us
+            self._drop_group()
+            raise SGLangServerError(
+                f"the weight-broadcast group did not form within {self.group_timeout_s:g} s: rank 0 (this trainer) "
+                f"waits at {self._where} for ranks 1..{world_size - 1}, the servers {self._ranks(urls)}; "
+                f"their /init_weights_update_group: {'; '.join(answers)}. Likely causes: the servers cannot reach "
+                f"{self.master_address}:{port} (rollout.sglang.trainer_address must be an address of this node "
+                "that they can connect to; a firewall), a server that failed to join (see its answer and log), or "
+                f"rollout.sglang.tp_size={self.tp_size} not the servers' TP size ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:300]})"
+            ) from err
+        pool.shutdown(wait=True)
         for url, fut in zip(urls, futures, strict=True):
             _check_success(url, "/init_weights_update_group", fut.result())
         self._urls = list(urls)
+
+    def _ranks(self, urls: list[str]) -> str:
+        """Which group ranks each server's TP ranks are, e.g. "http://a:1 = rank 1, http://b:2 = ranks 3..4"."""
+        parts = []
+        for i, url in enumerate(urls):
+            first, last = 1 + i * self.tp_size, (i + 1) * self.tp_size
+            parts.append(f"{url} = rank {first}" if first == last else f"{url} = ranks {first}..{last}")
+        return ", ".join(parts)
 
     def reset(self, live_urls: list[str], api_key: str | None = None) -> None:
         """Drop the group after a server restart; the next update builds a new one with every server."""
@@ -258,9 +293,14 @@ class DistributedWeightSync:
                 request_json(url, "/destroy_weights_update_group", body, timeout_s=60, api_key=api_key or self._api_key)
             except SGLangServerError as err:  # the survivor may not have joined the old group
                 logger.warning("could not leave the old weight-update group on %s: %s", url, err)
+        self._drop_group()
+
+    def _drop_group(self) -> None:
         if self._group is not None:
             torch.distributed.destroy_process_group(self._group)
-        self._group, self._urls = None, None
+        if self._store is not None:
+            self._store.close()
+        self._group, self._urls, self._store = None, None, None
 
     def close(self) -> None:
         if self._urls is not None:
@@ -269,9 +309,7 @@ class DistributedWeightSync:
                 self._urls,
                 lambda u: request_json(u, "/destroy_weights_update_group", body, timeout_s=60, api_key=self._api_key),
             )
-        if self._group is not None:
-            torch.distributed.destroy_process_group(self._group)
-        self._group, self._urls = None, None
+        self._drop_group()
 
     def update(
         self,
@@ -318,11 +356,13 @@ class DistributedWeightSync:
 
                 thread = threading.Thread(target=call, name="sglang-weight-update", daemon=True)
                 thread.start()  # the servers block in broadcast(src=0) until rank 0 sends
-                for _, t in bucket:
-                    torch.distributed.broadcast(t.detach().to(self._device).contiguous(), src=0, group=self._group)
+                self._broadcast_bucket(bucket, urls)
                 thread.join(timeout_s)
                 if thread.is_alive():
-                    raise SGLangServerError(f"/update_weights_from_distributed did not finish within {timeout_s} s")
+                    raise SGLangServerError(
+                        f"/update_weights_from_distributed did not finish within {timeout_s:g} s after rank 0 "
+                        f"broadcast its {len(bucket)} tensors to {self._ranks(urls)} at {self._where}"
+                    )
                 if errors:
                     raise errors[0]
                 for url, answer in zip(urls, answers, strict=True):
@@ -330,6 +370,36 @@ class DistributedWeightSync:
                 tensors, count, nbytes = tensors + len(bucket), count + 1, nbytes + _nbytes(bucket)
         _finish(urls, version, timeout_s, api_key)
         return SyncReport("distributed", tensors, count, nbytes, time.perf_counter() - start)
+
+    def _broadcast_bucket(self, bucket: NamedTensorBucket, urls: list[str]) -> None:
+        """Rank 0's side of one bucket; a collective that fails or exceeds the group's timeout raises
+        `SGLangServerError` and drops the group (the next update builds a new one)."""
+        for name, t in bucket:
+            try:
+                torch.distributed.broadcast(t.detach().to(self._device).contiguous(), src=0, group=self._group)
+            except Exception as err:  # gloo: RuntimeError on a timeout or a closed peer; nccl: DistBackendError
+                where = self._where
+                self._group = None  # unusable after a failed collective: not destroyed (that could block too)
+                self._drop_group()
+                raise SGLangServerError(
+                    f"the weight broadcast of {name} from rank 0 at {where} to {self._ranks(urls)} failed or "
+                    f"stalled (rollout.sglang.group_timeout_s={self.group_timeout_s:g}): likely causes: a server "
+                    "died or restarted mid-transfer, the network between the trainer and the servers dropped, or a "
+                    f"server expects other tensors ({type(err).__name__}: {str(err).splitlines()[0][:300]})"
+                ) from err
+
+
+def _answer_of(url: str, future: Future) -> str:
+    """What a server's group-join request came to, for an error message (without waiting for it)."""
+    if not future.done():
+        return f"{url} has not answered"
+    err = future.exception()
+    if err is not None:
+        return f"{url} failed: {err}"
+    answer = future.result()
+    if isinstance(answer, dict) and answer.get("success") is False:
+        return f"{url} answered {answer.get('message')!r}"
+    return f"{url} answered success"
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -349,20 +419,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _new_process_group(
-    backend: str, listener: socket.socket, world_size: int, group_name: str, timeout_s: float, host: str
-):
-    """Rank 0 of a process group outside the default one, compatible with SGLang's `init_custom_process_group`;
-    its store serves on `listener` (bound to `host`), under the key prefix `group_name`."""
+def _new_process_group(backend: str, host: str, port: int, world_size: int, group_name: str, timeout_s: float):
+    """Rank 0 of a process group outside the default one, compatible with SGLang's `init_custom_process_group`:
+    a TCPStore client of the group's `GuardedStore` at `host:port`, under the key prefix `group_name`. Forming it
+    and each collective on it time out after `timeout_s`."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    # The store is made here, not by `rendezvous("tcp://...")`: under torchrun that would only connect to
-    # torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting the servers' rendezvous.
-    port = listener.getsockname()[1]
-    master = TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
-    store = PrefixStore(group_name, master)
+    # Our own store, not `rendezvous("tcp://...")`: under torchrun that would only connect to torchrun's agent
+    # store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting the servers' rendezvous.
+    client = TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    store = PrefixStore(group_name, client)
     # torch's private helper types group_name as GroupName, a NewType over str that older torch does not define.
     group, _ = _new_process_group_helper(
         world_size,
@@ -428,20 +496,3 @@ class DiskWeightSync:
         if not self.keep and not self.directory:
             shutil.rmtree(out, ignore_errors=True)
         return SyncReport("disk", written.tensors, written.shards, written.bytes, time.perf_counter() - start)
-
-
-# ---------------------------------------------------------------------------------------------- verification
-def check_weights_arrived(
-    score: Callable[[list[int]], list[float]], probe_ids: list[int], expected: list[float], atol: float
-) -> float:
-    """Max |served − expected| teacher-forced log-prob over `probe_ids[1:]`; raises if above `atol`.
-
-    `score` is e.g. `SGLangEngine.score`; `expected` the trainer's own log-probs of the probe under the new weights.
-    """
-    served = score(probe_ids)
-    if len(served) != len(expected):
-        raise ValueError(f"{len(served)} served log-probs vs {len(expected)} expected")
-    diff = max(abs(a - b) for a, b in zip(served, expected, strict=True))
-    if diff > atol:
-        raise RuntimeError(f"weights did not arrive: served log-probs differ from the trainer's by {diff:.4g} > {atol}")
-    return diff

@@ -27,12 +27,8 @@ from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
-from megatron_rl.rollout.weight_sync import (
-    DiskWeightSync,
-    DistributedWeightSync,
-    TensorWeightSync,
-    check_weights_arrived,
-)
+from megatron_rl.rollout.sync_probe import ProbeTolerance, compare_probe
+from megatron_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
 
 pytestmark = pytest.mark.sglang
 
@@ -220,12 +216,13 @@ PROBE = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 
 
 def _sync_and_check(engine: SGLangEngine, sync, model_dir: Path, version: str) -> None:
-    before = engine.score(PROBE)
+    before = engine.score_prompts([PROBE])[0].log_probs[0]
     engine.weight_sync = sync
     engine.update_weights(hf_buckets(model_dir), version)
     expected, _ = HFReference(model_dir).run(PROBE)
     assert max(abs(a - b) for a, b in zip(before, expected, strict=True)) > 0.05  # the probe can tell them apart
-    diff = check_weights_arrived(engine.score, PROBE, expected, atol=LOGPROB_ATOL)
+    (served,) = engine.score_prompts([PROBE])  # the version the server reports, and its log-probs of the probe
+    diff = compare_probe([expected], served, version, ProbeTolerance(LOGPROB_ATOL, LOGPROB_ATOL)).max_abs
     report = engine.last_sync
     REPORT[f"sync_{report.path}"] = (
         f"{report.bytes} B, {report.buckets} buckets, {report.seconds:.2f} s, max dlp {diff:.1e}"
