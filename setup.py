@@ -36,6 +36,7 @@ setup(
         "wandb",
         "tensorboard",
         "matplotlib",
+        "pyseccomp>=0.1.2",  # the python tool's seccomp filter (ctypes bindings of the system's libseccomp.so.2)
     ],
     extras_require={
         # GPU-only; never installable on a CPU-only machine (needs a CUDA build of torch).

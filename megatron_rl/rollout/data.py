@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
 from megatron_rl.config.schema import RLConfig
+
+logger = logging.getLogger(__name__)
 
 
 class PromptData:
@@ -49,6 +52,8 @@ class PromptData:
         from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch, generate_single_turn
 
         algo, rollout = self.cfg.algo, self.cfg.rollout
+        for warning in getattr(self.generate, "warnings", ()):  # e.g. a code tool running without isolation
+            logger.warning("step %d: %s", step, warning)
         overlong = None
         if algo.overlong_buffer > 0 or algo.overlong_filter:
             multi_turn = self.generate is not generate_single_turn  # a trajectory's limit is on all its tokens

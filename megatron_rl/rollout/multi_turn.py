@@ -16,6 +16,7 @@ from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.rollout.env import Environment, GenerateFn, Observation, get_env, get_generate_fn
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.tools.isolation import IsolationUnavailable
 from megatron_rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
@@ -113,13 +114,18 @@ class MultiTurnRollout:
         self.env_options = dict(env_options or {})
         self.env_factory = get_env(env) if env is not None else None
         self.generate_fn = get_generate_fn(generate_fn) if generate_fn is not None else None
+        # What the environment asks to be warned about every step (e.g. a code tool without kernel isolation).
+        self.warnings: list[str] = []
         if self.env_factory is not None:
-            self.new_env()  # bad options fail at start-up, naming the environment, not in the first rollout
+            first = self.new_env()  # bad options fail at start-up, naming the environment, not in the first rollout
+            self.warnings = list(getattr(first, "warnings", []))
 
     def new_env(self) -> Environment:
         assert self.env_factory is not None
         try:
             return self.env_factory(**self.env_options)
+        except IsolationUnavailable:  # its message names the key and the fix already
+            raise
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"rollout.env_options={self.env_options!r} do not fit environment {self.env_factory!r}: {err}"

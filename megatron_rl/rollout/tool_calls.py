@@ -61,6 +61,10 @@ def check_call(payload: str, tool_names: Collection[str]) -> ParsedCall:
         call = json.loads(payload)
     except json.JSONDecodeError as err:
         return ToolCallError(f"error: the tool call is not valid JSON ({err.msg} at position {err.pos})")
+    except RecursionError:
+        return ToolCallError("error: the tool call nests too deeply to parse")
+    except ValueError as err:  # e.g. an integer of more digits than int() converts (sys.get_int_max_str_digits)
+        return ToolCallError(f"error: the tool call cannot be parsed ({str(err).partition(':')[0]})")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCallError('error: a tool call must be a JSON object with a "name" and "arguments"')
     name = call["name"]
@@ -70,7 +74,7 @@ def check_call(payload: str, tool_names: Collection[str]) -> ParsedCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON: refused below as not an object
             pass
     if not isinstance(arguments, dict):
         return ToolCallError(f'error: the call of {name!r} needs "arguments" as a JSON object')

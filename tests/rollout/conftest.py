@@ -1,7 +1,10 @@
-"""Fixtures of the rollout tests: a tiny random Qwen3-MoE (default spec), its tokenizer and an engine on it."""
+"""Fixtures of the rollout tests: a tiny random Qwen3-MoE (default spec), its tokenizer and an engine on it, and
+the check that the python tool's kernel isolation (bubblewrap) can run here."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +27,17 @@ def tokenizer():
 def engine(tiny_dir: Path) -> LocalEngine:
     """Shared by a test module's read-only tests (tests that change weights build their own)."""
     return LocalEngine(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def kernel_isolation() -> None:
+    """Skips a test of the python tool where bubblewrap cannot make a sandbox; fails it under CI=true (.ci/run
+    installs bubblewrap)."""
+    from megatron_rl.rollout.tools.isolation import IsolationUnavailable, probe
+
+    try:
+        probe("bwrap", sys.executable)
+    except IsolationUnavailable as err:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the python tool's tests (.ci/run installs bubblewrap): {err}")
+        pytest.skip(str(err))

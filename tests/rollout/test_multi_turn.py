@@ -23,7 +23,8 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}
 
 
 def test_tool_env_runs_calls_and_ends_on_an_answer():
-    env = get_env("tools")(tools=["calculator", "python"], tool_options={"python": {"timeout_s": 10.0}})
+    options = {"python": {"timeout_s": 10.0, "isolation": "none"}}  # not run here: no bubblewrap needed
+    env = get_env("tools")(tools=["calculator", "python"], tool_options=options)
     assert isinstance(env, ToolEnv) and env.tools["python"].timeout_s == 10.0
     bad = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
     result = env.step(CALL + "\n" + bad + "<|im_end|>", [])
@@ -33,6 +34,16 @@ def test_tool_env_runs_calls_and_ends_on_an_answer():
         info={"tool_calls": 2, "tool_errors": 1},
     )
     assert env.step("84<|im_end|>", []) == StepResult("", done=True)
+
+
+def test_calls_past_the_cap_of_a_turn_are_answered_with_the_cap_not_run():
+    env = ToolEnv(tools=["calculator"], tool_call_format="compact", max_calls_per_turn=2)
+    result = env.step("[calculator:1+1][calculator:2+2][calculator:3+3][calculater:1]", [])
+    cap = "error: not run: a turn may make at most 2 tool calls (rollout.env_options.max_calls_per_turn)"
+    assert result == StepResult(f"=2\n=4\n={cap}\n={cap}\n", info={"tool_calls": 4, "tool_errors": 2})
+    assert ToolEnv().max_calls_per_turn == 8
+    with pytest.raises(ValueError, match="max_calls_per_turn must be an integer >= 1, got 0"):
+        ToolEnv(max_calls_per_turn=0)
 
 
 class SleepTool:

@@ -47,6 +47,22 @@ def test_malformed_calls_become_error_observations(payload: str, message: str):
     assert call.message.startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "error: the tool call nests too deeply to parse"),
+        (
+            '{"name": "calculator", "arguments": {"expression": ' + "1" * 5000 + "}}",
+            "error: the tool call cannot be parsed (Exceeds the limit (4300 digits) for integer string conversion)",
+        ),
+        ('{"name": "calculator", "arguments": "' + "[" * 100_000 + '"}', "error: the call of 'calculator' needs"),
+    ],
+)
+def test_inputs_that_crashed_the_parser_become_error_observations(payload: str, message: str):
+    (call,) = HermesFormat().parse(f"<tool_call>{payload}</tool_call>", TOOLS)
+    assert isinstance(call, ToolCallError) and call.message.startswith(message)
+
+
 def test_unterminated_call_and_good_call_side_by_side():
     text = '<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call> <tool_call>{"name": "calc'
     assert HermesFormat().parse(text, TOOLS) == [

@@ -48,6 +48,10 @@ def test_calculator_values(expression: str, value: float):
         ("1e308 * 10", "error: result is not a finite number"),
         ("10.0 ** 400", "error: (34, 'Numerical result out of range')"),
         ("1+" * 300 + "1", "error: expression longer than 500 characters"),
+        ("1" * 5000, "error: expression longer than 500 characters"),  # refused before int() converts it
+        ("1e10000000", "error: result is not a finite number"),
+        ("2 ** \ud800", "error: not an arithmetic expression (surrogates not allowed)"),  # a lone surrogate
+        ("1\x00", "error: not an arithmetic expression"),
     ],
 )
 def test_calculator_errors_are_answers(expression: str, answer: str):
@@ -67,7 +71,7 @@ def test_calculator_tool_interface():
 
 # ---------------------------------------------------------------------------------------------- sandbox
 @pytest.fixture(scope="module")
-def sandbox() -> PythonSandbox:
+def sandbox(kernel_isolation) -> PythonSandbox:
     return PythonSandbox(timeout_s=3.0, cpu_s=1, memory_mb=256, file_mb=1, output_chars=200)
 
 
@@ -80,12 +84,13 @@ def test_normal_code_prints_its_result(sandbox: PythonSandbox):
 def test_child_limits_are_set_in_the_kernel(sandbox: PythonSandbox):
     code = "import resource as r, os\n"
     code += "print([r.getrlimit(getattr(r, 'RLIMIT_' + k)) for k in ('CPU', 'AS', 'NPROC', 'FSIZE', 'CORE')])\n"
-    code += "print(os.getpgrp() == os.getpid(), sorted(os.environ))"
-    assert sandbox({"code": code}) == (
-        f"[(1, 2), ({256 << 20}, {256 << 20}), (0, 0), ({1 << 20}, {1 << 20}), (0, 0)]\nTrue ['LANG']"
+    code += "print(os.getpid(), sorted(os.environ))"
+    assert sandbox({"code": code}) == (  # pid 2 in its own pid namespace (1 is bubblewrap's init)
+        f"[(1, 2), ({256 << 20}, {256 << 20}), (0, 0), ({1 << 20}, {1 << 20}), (0, 0)]\n2 ['LANG', 'PWD']"
     )
 
 
+@pytest.mark.usefixtures("kernel_isolation")
 def test_infinite_loop_is_stopped_by_the_cpu_limit():
     # The wall-clock timeout is far away: it is the 1 s of CPU time that stops the loop (however loaded the machine).
     assert PythonSandbox(timeout_s=60.0, cpu_s=1)({"code": "while True: pass"}) == (
@@ -95,6 +100,7 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit():
     assert PythonSandbox(timeout_s=60.0, cpu_s=1)({"code": catching}) == "error: killed by SIGKILL"  # the hard limit
 
 
+@pytest.mark.usefixtures("kernel_isolation")
 def test_sleeping_code_is_stopped_by_the_wall_clock_timeout():
     quick = PythonSandbox(timeout_s=2.0)
     start = time.perf_counter()
@@ -150,6 +156,7 @@ def _unprivileged_sandbox() -> PythonSandbox:
     return PythonSandbox(timeout_s=10.0, user=65534, interpreter="/usr/bin/python3")
 
 
+@pytest.mark.usefixtures("kernel_isolation")
 def test_the_kernel_refuses_new_threads_and_processes():
     """Threads pass the audit hook: it is RLIMIT_NPROC that stops them (and so any fork the hook would miss)."""
     code = "import os, threading\nprint(os.getuid() != 0)\nthreading.Thread(target=print).start()"
@@ -165,10 +172,13 @@ def test_output_is_bounded(sandbox: PythonSandbox):
     assert _last_line(answer) == ("OSError: [Errno 27] File too large", "exit status 1")
 
 
+@pytest.mark.usefixtures("kernel_isolation")
 def test_bad_arguments_and_registry():
     assert get_tool("python")({"program": "1"}) == 'error: python needs "code" as a string'
     assert get_tool("python", timeout_s=2.0).timeout_s == 2.0
-    missing = PythonSandbox(interpreter="/nonexistent/python")
+    missing = PythonSandbox(interpreter="/nonexistent/python", isolation="none")
     assert missing({"code": "1"}) == "error: the sandbox could not start (FileNotFoundError)"  # logged, not raised
+    with pytest.raises(ValueError, match="cannot inspect the interpreter '/nonexistent/python'"):
+        PythonSandbox(interpreter="/nonexistent/python")  # isolated: refused at start-up
     with pytest.raises(ValueError, match="unknown tool 'browser'"):
         get_tool("browser")

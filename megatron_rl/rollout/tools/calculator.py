@@ -47,6 +47,8 @@ def evaluate(expression: str) -> Number:
             tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, RecursionError, MemoryError) as err:
         raise CalculatorError("not an arithmetic expression") from err
+    except ValueError as err:  # a lone surrogate (UnicodeEncodeError), a null byte
+        raise CalculatorError(f"not an arithmetic expression ({str(err).partition(':')[-1].strip() or err})") from err
     return _value(tree.body)
 
 
@@ -99,5 +101,5 @@ class Calculator:
             return 'error: the calculator needs "expression" as a string'
         try:
             return str(evaluate(expression))
-        except (CalculatorError, ArithmeticError) as err:
+        except (ValueError, ArithmeticError) as err:  # CalculatorError is a ValueError
             return f"error: {err}"

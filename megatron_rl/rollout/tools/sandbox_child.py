@@ -62,20 +62,27 @@ def _run(code: str) -> None:
 
 
 def _install_hook(workdir: str, read_roots: tuple[str, ...]) -> None:
-    def inside(path, roots, fspath=os.fspath, realpath=os.path.realpath, sep=os.sep) -> bool:
+    # Everything the hook reads is bound as a default argument: module globals and builtins (`any`, `isinstance`)
+    # could be rebound by the code. What realpath calls inside posixpath can still be rebound: a tripwire only.
+    def inside(path, roots, fspath=os.fspath, realpath=os.path.realpath, sep=os.sep, any=any, type=type) -> bool:
         try:
             full = realpath(fspath(path))
         except (TypeError, ValueError, OSError):
             return False
-        if isinstance(full, bytes):
+        if type(full) is bytes:
             full = full.decode("utf-8", "surrogateescape")
+        if type(full) is not str:
+            return False
         return any(full == root or full.startswith(root + sep) for root in roots)
 
-    # Everything the hook reads is bound as a default argument: module globals could be rebound by the code.
     def hook(
         event,
         args,
         inside=inside,
+        isinstance=isinstance,
+        any=any,
+        type=type,
+        str=str,
         writable=(workdir,),
         readable=(workdir, *read_roots),
         refused_events=_REFUSED_EVENTS,
@@ -85,8 +92,8 @@ def _install_hook(workdir: str, read_roots: tuple[str, ...]) -> None:
     ) -> None:
         if event.startswith(refused_events):
             raise PermissionError(f"sandbox: {event} refused")
-        if event == "import" and args[0].partition(".")[0] in refused_modules:
-            raise PermissionError(f"sandbox: import {args[0]} refused")
+        if event == "import" and (type(args[0]) is not str or str.partition(args[0], ".")[0] in refused_modules):
+            raise PermissionError(f"sandbox: import {str.__repr__(args[0])[1:-1]} refused")
         if event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__"):
             raise PermissionError("sandbox: replacing a function's code refused")
         if event == "open":
