@@ -278,7 +278,9 @@ class RolloutConfig:
     env_options: dict[str, Any] = setting(
         default_factory=dict,
         help="keyword options of the environment, e.g. {tools: [calculator], tool_call_format: hermes, "
-        "tool_options: {python: {timeout_s: 5}}}",
+        "tool_options: {python: {timeout_s: 5}}}; tools: max_calls_per_turn (8: later calls of a turn are answered "
+        "with the cap, not run), tool_options.python.isolation (auto: bubblewrap + seccomp, refused at start-up "
+        "when it cannot run; none: no kernel isolation, warned every step); docs/multi_turn.md, docs/security.md",
     )
     generate_fn: str | None = setting(
         None,
@@ -520,6 +522,14 @@ class TrainerConfig:
         help="a NaN/inf loss or gradient: stop = raise an error naming the step and micro-batch before the update "
         "touches the weights; skip = drop that update (no optimizer step), count it in actor/nonfinite_skipped and "
         "go on",
+    )
+    stop_on: dict[str, Any] | None = setting(
+        None,
+        help="stop the run when a logged fidelity metric leaves its healthy range: {metric: threshold} for "
+        "mismatch/k3_kl, mismatch/logp_abs_diff_max, actor/grad_norm (above = stop) and routing/agreement (below "
+        "= stop), or {metric: {threshold: N, action: skip}} to drop and count (actor/grad_norm_skipped) the "
+        "updates whose grad norm is above N; null = the defaults measured on fp32 (mismatch and route agreement "
+        "with the local engine only; none for bf16: docs/reliability.md), {} = off. NaN/inf stay with on_nonfinite",
     )
 
 

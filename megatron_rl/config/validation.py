@@ -18,6 +18,7 @@ from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.kernels import packed_gspo_applies
 from megatron_rl.megatron_backend.models.architecture import is_moe
+from megatron_rl.trainer.fidelity_guard import stop_rules
 
 # Engines that can return the experts each token was routed to (needed by R3).
 ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")
@@ -37,7 +38,8 @@ def validate(cfg: RLConfig) -> list[str]:
     """Raise ConfigError listing every invalid combination in ``cfg``; return notes worth a warning."""
     errors: list[str] = []
     notes: list[str] = []
-    for check in (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_optimizer):
+    checks = (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_stop_on)
+    for check in (*checks, _check_optimizer):
         check(cfg, errors, notes)
     if len(errors) == 1:
         raise ConfigError(errors[0])
@@ -353,6 +355,19 @@ def _check_trainer(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(
             "rollout.partial=true needs trainer.mode=async: only async mode updates weights while requests are in "
             "flight"
+        )
+
+
+def _check_stop_on(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    rules, problems = stop_rules(cfg)
+    errors.extend(problems)
+    algo = cfg.algo
+    if any(r.metric == "routing/agreement" for r in rules) and (
+        algo.routing_replay == "off" or algo.replay_agreement_every == 0
+    ):
+        errors.append(
+            "trainer.stop_on['routing/agreement'] reads a metric logged only with routing replay: set "
+            "algo.routing_replay=R2 or R3 and algo.replay_agreement_every >= 1, or remove the threshold"
         )
 
 

@@ -46,7 +46,9 @@ from megatron_rl.megatron_backend.route_pass import RouteMode, RoutePass
 from megatron_rl.megatron_backend.routes import MoERouters
 from megatron_rl.megatron_backend.update_metrics import (
     NonFiniteError,
+    drop_gradients,
     drop_nonfinite_update,
+    grad_norm_too_large,
     mean_metrics,
     nonfinite_problem,
     reduce_metric_sums,
@@ -301,6 +303,7 @@ class MegatronActor:
         route_mode: Literal["replay"] | None = None,
         replay: ReplayChecks = FULL_CHECKS,
         on_nonfinite: Literal["stop", "skip"] = "stop",
+        skip_grad_norm_above: float | None = None,
         where: str = "this update",
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this call's global batch) at the scheduled LR, which then advances;
@@ -308,8 +311,12 @@ class MegatronActor:
         forward; with `replay.agreement` the metrics include `routing/*` (replayed vs natural routes of the weights
         before this step). A NaN/inf loss or gradient on any rank stops the update before the optimizer moves:
         `on_nonfinite="stop"` raises `NonFiniteError` (naming `where` and the micro-batch); "skip" drops the
-        gradients, leaves optimizer, schedule and `self.step` alone and returns `nonfinite_skipped` = 1."""
-        return self._update(batch, loss_fn, None, with_entropy, route_mode, replay, on_nonfinite, where)
+        gradients, leaves optimizer, schedule and `self.step` alone and returns `nonfinite_skipped` = 1. A finite
+        grad norm above `skip_grad_norm_above` (`trainer.stop_on` action skip) is dropped the same way and returns
+        `grad_norm_skipped` = 1 with the norm."""
+        return self._update(
+            batch, loss_fn, None, with_entropy, route_mode, replay, on_nonfinite, where, skip_grad_norm_above
+        )
 
     def warmup_step(
         self,
@@ -334,6 +341,7 @@ class MegatronActor:
         replay: ReplayChecks,
         on_nonfinite: Literal["stop", "skip"],
         where: str,
+        skip_grad_norm_above: float | None = None,
     ) -> dict[str, float]:
         self._check_resident("train_step")
         self._set_training(True)
@@ -358,6 +366,12 @@ class MegatronActor:
         if problem is not None:
             drop_nonfinite_update(problem, self.chunks, self.optimizer, on_nonfinite)
             return {**mean_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}
+        if grad_norm_too_large(grad_norm, skip_grad_norm_above, where):
+            drop_gradients(self.chunks, self.optimizer)
+            skipped = {**mean_metrics(totals, grad_norm, self.optimizer), "grad_norm_skipped": 1.0}
+            if agreement is not None:  # measured in this update's forward: still the weights' routes
+                skipped.update(agreement.as_metrics("routing/", self.dims.moe_layers))
+            return skipped
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

@@ -43,9 +43,7 @@ def nonfinite_problem(
 def drop_nonfinite_update(problem: str, chunks: list[Any], optimizer: Any, on: Literal["stop", "skip"]) -> None:
     """Drop the gradients of an update `nonfinite_problem` refused, then raise `NonFiniteError` (`on="stop"`)
     or warn (`on="skip"`: the caller skips the optimizer step)."""
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    drop_gradients(chunks, optimizer)
     if on == "stop":
         raise NonFiniteError(
             f"{problem}; the update was not applied (lower optimizer.lr or check the rewards; "
@@ -53,6 +51,29 @@ def drop_nonfinite_update(problem: str, chunks: list[Any], optimizer: Any, on: L
         )
     if dist.get_rank() == 0:
         logger.warning("%s; update skipped (trainer.on_nonfinite=skip)", problem)
+
+
+def grad_norm_too_large(grad_norm: float, limit: float | None, where: str) -> bool:
+    """Whether an update's (finite) global grad norm is above `trainer.stop_on`'s skip `limit`: its gradients are
+    to be dropped (`drop_gradients`) and the optimizer step skipped; warns on rank 0. The norm is the same on every
+    rank, so every rank skips alike."""
+    if limit is None or not float(grad_norm) > limit:
+        return False
+    if dist.get_rank() == 0:
+        logger.warning(
+            "grad norm %.4g at %s is above trainer.stop_on['actor/grad_norm'] threshold %g; update skipped",
+            float(grad_norm),
+            where,
+            limit,
+        )
+    return True
+
+
+def drop_gradients(chunks: list[Any], optimizer: Any) -> None:
+    """Zero this update's gradients (DDP's buffers and the optimizer's): the optimizer step is not taken."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
 
 
 def find_nonfinite(outputs: list, chunks: list[Any], count: int, where: str) -> str | None:

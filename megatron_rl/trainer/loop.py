@@ -42,6 +42,7 @@ from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
+from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop, stop_rules
 from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss
@@ -90,6 +91,7 @@ class StepParts:
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
     verifier: SyncVerifier | None = None  # rollout.verify_sync: which syncs are checked against a probe
+    guard: FidelityGuard | None = None  # trainer.stop_on: the step's fidelity metrics against their thresholds
 
     @property
     def requests(self) -> RolloutEngine | None:
@@ -225,6 +227,11 @@ def _run(
     for step in range(state["step"] + 1, cfg.trainer.steps + 1):
         stop.step = step
         metrics = rl_step(parts, step, first_step=state["step"] + 1)
+        problem = fidelity_problem(parts.guard, step, metrics)  # collective: every rank stops together
+        if problem is not None:
+            if log is not None:
+                log.log(step, metrics)  # the row that crossed the threshold, not checkpointed
+            raise FidelityStop(problem)
         if evaluating and (step % cfg.data.eval_every == 0 or step == cfg.trainer.steps):
             parts.memory.for_rollout()
             if rank0:
@@ -274,7 +281,15 @@ def _build_parts(
     parts = StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source)
     parts.evaluator = evaluator if engine is not None else None
     parts.verifier = build_verifier(cfg.rollout, data)
+    parts.guard = FidelityGuard(stop_rules(cfg)[0])
     return parts, state
+
+
+def fidelity_problem(guard: FidelityGuard | None, step: int, metrics: dict[str, float]) -> str | None:
+    """Collective: rank 0's verdict on step `step`'s metrics under `trainer.stop_on` (the message, or None)."""
+    if guard is None or not guard.rules:
+        return None
+    return broadcast_object(guard.problem(step, metrics) if dist.get_rank() == 0 else None)
 
 
 def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
@@ -410,6 +425,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
             route_mode="replay" if routes else None,
             replay=replay,
             on_nonfinite=cfg.trainer.on_nonfinite,
+            skip_grad_norm_above=p.guard.skip_grad_norm_above if p.guard is not None else None,
             where=f"step {step}, update {i + 1} of {len(parts)}",
         )
         for i, part in enumerate(parts)

@@ -40,6 +40,7 @@ RESUMABLE_CHANGES = (
     "trainer.keep_last",
     "trainer.output_dir",
     "trainer.on_nonfinite",
+    "trainer.stop_on",
     "trainer.micro_batch_tokens",
     "trainer.balance_quadratic",
     "trainer.offload_actor",

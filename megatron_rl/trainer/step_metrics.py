@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -80,10 +81,19 @@ def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: to
 
 def update_metrics(updates: list[dict[str, float]]) -> tuple[dict[str, float], list[dict[str, float]]]:
     """`(metrics, routing)`: the mean of the updates' metrics as `actor/*`, with the first update's `ppo_kl`
-    (exactly 0 on-policy) and the last update's grad norm and LR, and each update's `routing/*` entries apart.
-    Updates skipped for a NaN/inf (`trainer.on_nonfinite=skip`) are counted, not averaged."""
-    applied = [u for u in updates if not u.pop("nonfinite_skipped", 0.0)]
-    metrics = {"actor/nonfinite_skipped": float(len(updates) - len(applied))}
+    (exactly 0 on-policy), the last update's grad norm and LR and the largest finite grad norm of them all
+    (`actor/grad_norm_max`, what `trainer.stop_on` reads), and each update's `routing/*` entries apart. Updates
+    skipped for a NaN/inf (`trainer.on_nonfinite=skip`) or a grad norm above `trainer.stop_on`'s skip threshold
+    are counted, not averaged."""
+    norms = [u["grad_norm"] for u in updates if math.isfinite(u["grad_norm"])]
+    nonfinite = [bool(u.pop("nonfinite_skipped", 0.0)) for u in updates]
+    too_large = [bool(u.pop("grad_norm_skipped", 0.0)) for u in updates]
+    applied = [u for u, a, b in zip(updates, nonfinite, too_large, strict=True) if not (a or b)]
+    metrics = {
+        "actor/nonfinite_skipped": float(sum(nonfinite)),
+        "actor/grad_norm_skipped": float(sum(too_large)),
+        "actor/grad_norm_max": max(norms, default=float("nan")),
+    }
     updates = applied or updates
     routing = [{k: u.pop(k) for k in list(u) if k.startswith("routing/")} for u in updates]
     keys = set().union(*updates)

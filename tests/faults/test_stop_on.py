@@ -1,0 +1,31 @@
+"""`trainer.stop_on` end to end: a real R3 run whose thresholds are set past its healthy values. Every update's
+grad norm is above the skip threshold (skipped and counted, the weights untouched), and the route agreement
+(at most 1) is below 1.01, so the run stops after step 1 with one line naming the metric, its threshold, its
+values and the usual causes, before checkpointing that step. The guard's other metrics, one by one on real
+rows, are tests/trainer/test_fidelity_guard.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.faults.harness import error_lines, history, latest, train
+
+STOP_ON = "trainer.stop_on={routing/agreement: 1.01, actor/grad_norm: {threshold: 1.0e-6, action: skip}}"
+R3 = ("model.options.routing_replay=true", "algo.routing_replay=R3", "trainer.steps=3")
+
+
+def test_thresholds_skip_updates_then_stop_the_run(fault_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code, output = train(out, fault_model, *R3, STOP_ON)
+    assert code == 2, output[-3000:]
+    errors = error_lines(output)
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert "routing/agreement=" in errors[0] and "at step 1 is below the trainer.stop_on threshold 1.01" in errors[0]
+    assert "(last 1 steps: " in errors[0] and "R3" in errors[0], errors[0]
+    # Both updates of step 1 were skipped (counted, with their norms), and the run stopped before saving step 1.
+    assert output.count("above trainer.stop_on['actor/grad_norm'] threshold 1e-06; update skipped") == 2
+    rows = history(out)
+    assert [r["step"] for r in rows] == [1], rows
+    assert rows[0]["actor/grad_norm_skipped"] == 2.0 and rows[0]["actor/grad_norm_max"] > 1e-6
+    assert rows[0]["routing/agreement"] <= 1.0
+    assert latest(out) is None
