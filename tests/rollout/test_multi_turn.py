@@ -228,6 +228,29 @@ def test_collect_batch_makes_multi_turn_samples_with_masks_and_rewards(tokenizer
         assert s.metadata["weight_versions"] == [("v1", 0, n_call), ("v2", n_call + n_obs, n_call + n_obs + 3)]
 
 
+def test_a_tool_without_isolation_is_warned_about_every_step(tmp_path: Path, tokenizer, caplog):
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.rollout.data import PromptData
+
+    class Stop(Exception):
+        pass
+
+    class StoppingEngine:  # the step's generation is not what is tested: only the warning before it
+        def generate(self, *args, **kwargs):
+            raise Stop
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    options = "rollout.env_options={tools: [python], tool_options: {python: {isolation: none}}}"
+    cfg = load_config(overrides=["model.hf_path=unused", f"data.train={train}", "rollout.env=tools", options])
+    data = PromptData(cfg, tokenizer)
+    for step in (1, 2):
+        with pytest.raises(Stop):
+            data.collect(StoppingEngine(), step)
+    warned = [r.getMessage() for r in caplog.records if "WITHOUT kernel isolation" in r.getMessage()]
+    assert [w.split(":")[0] for w in warned] == ["step 1", "step 2"]
+
+
 def test_generate_fn_is_called_per_sample_with_its_own_seed(tokenizer):
     from megatron_rl.rollout.multi_turn import MultiTurnRollout
     from megatron_rl.rollout.trajectory import TrajectoryBuilder
