@@ -106,6 +106,12 @@ def test_generate_matches_the_in_process_engine(process_engine: ProcessEngine, e
         process_engine.generate([[]], SEEDED)
 
 
+def test_score_prompts_matches_the_in_process_engine(process_engine: ProcessEngine, engine: LocalEngine):
+    (got,) = process_engine.score_prompts(PROMPTS)
+    (want,) = engine.score_prompts(PROMPTS)
+    assert got.log_probs == want.log_probs and got.version == process_engine.weight_version
+
+
 def test_update_weights_matches_the_in_process_update(process_engine, tiny_dir: Path, weights, other_weights):
     reference = LocalEngine(tiny_dir)
     buckets = [other_weights[:10], other_weights[10:]]

@@ -279,3 +279,13 @@ def test_rejects_bad_requests(engine: LocalEngine):
         engine.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="n must be"):
         engine.generate(PROMPTS, SamplingParams(), n=0)
+
+
+def test_score_prompts_is_teacher_forcing_of_each_prompt_at_its_version(engine: LocalEngine, hf_model):
+    (served,) = engine.score_prompts(PROMPTS)  # right-padded together, scored in one pass
+    assert (served.replica, served.version, served.dtype) == ("local engine", engine.weight_version, "float32")
+    for prompt, got in zip(PROMPTS, served.log_probs, strict=True):
+        expected, _, _ = teacher_forced(hf_model, prompt[:1], prompt[1:])
+        np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="at least two tokens"):
+        engine.score_prompts([[5]])
