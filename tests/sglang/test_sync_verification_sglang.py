@@ -24,8 +24,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_sglang_probe.py"
 
 def test_a_sync_whose_server_computes_with_a_perturbed_expert_stops_the_run(sglang_py: str, tmp_path: Path) -> None:
     model = make_tiny_qwen3_moe(tmp_path / "model", seed=1234)
-    launch = SGLangLaunchConfig(model_path=str(model), python=sglang_py, extra_args=CPU_SERVER_ARGS,
-                                env=cpu_launch_env(), log_dir=str(tmp_path / "logs"), startup_timeout_s=600)  # fmt: skip
+    launch = SGLangLaunchConfig(
+        model_path=str(model),
+        python=sglang_py,
+        extra_args=CPU_SERVER_ARGS,
+        env=cpu_launch_env(),
+        log_dir=str(tmp_path / "logs"),
+        startup_timeout_s=600,
+    )
     perturbed = tmp_path / "perturbed.json"
     with SGLangServers.launch(launch) as servers:
         proc = subprocess.run(
