@@ -36,7 +36,7 @@ def _jsonl_routes(path: Path) -> list[torch.Tensor]:
 
 def load(paths: list[Path]) -> tuple[RouteAgreement, tuple[str, str], list[int] | None]:
     if len(paths) == 1:
-        data = torch.load(paths[0], weights_only=False)
+        data = torch.load(paths[0], weights_only=True)  # tensors, lists, strings: no code runs
         a, b, lengths = data["a"], data["b"], data["lengths"]
         valid = torch.arange(a.shape[1]).unsqueeze(0) < (lengths.unsqueeze(1) - 1)
         names = tuple(data.get("names", ("a", "b")))

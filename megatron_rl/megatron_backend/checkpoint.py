@@ -37,7 +37,6 @@ from megatron_rl.megatron_backend.checkpoint_format import (
     MEGATRON_DIR,
     RNG_DIR,
     CheckpointError,
-    damaged,
     error_summary,
     fresh_staging_dir,
     is_complete,
@@ -59,6 +58,7 @@ from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_co
 from megatron_rl.megatron_backend.checkpoint_format import resolve_checkpoint_dir as resolve_checkpoint_dir
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.models.architecture import check_same_architecture
+from megatron_rl.megatron_backend.rng_state_file import read_rng_state
 
 
 def _sharding_metadata() -> dict[str, Any]:
@@ -453,11 +453,7 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     actor.step = saved.get("actor_step", saved["step"])
     rng = rng_file(path, dist.get_rank())
     if rng.is_file() and saved.get("world_size") == dist.get_world_size():
-        try:
-            rng_state = torch.load(rng, weights_only=False)
-        except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle: the same for the user
-            raise damaged(path, f"{rng.relative_to(path)} is truncated/corrupt ({error_summary(err)})") from err
-        _set_rng_state(rng_state)
+        _set_rng_state(read_rng_state(path, rng))
     return saved["trainer"]
 
 

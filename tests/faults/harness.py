@@ -190,7 +190,7 @@ def compare_checkpoints(got: Path, expected: Path) -> Comparison:
     if state(got) != state(expected):
         different.append("trainer_state.json")
     for rng in sorted((expected / "rng").glob("*.pt")):
-        x, y = torch.load(got / "rng" / rng.name, weights_only=False), torch.load(rng, weights_only=False)
+        x, y = torch.load(got / "rng" / rng.name, weights_only=True), torch.load(rng, weights_only=True)
         if not _same(x, y):
             different.append(f"rng/{rng.name}")
     return Comparison(len(b), compared, lost, different, padding)
