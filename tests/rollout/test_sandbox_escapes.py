@@ -229,6 +229,7 @@ attempt("write /proc/self/mem", lambda: open("/proc/self/mem", "r+b"))
 attempt("exec bash", lambda: os.execv("/bin/bash", ["bash", "-c", "echo pwned > HOST_DIR/bash.txt"]))
 attempt("fill the disk", lambda: open("big", "wb").write(bytes(2 << 20)))
 attempt("root", lambda: sorted(os.listdir("/")))
+attempt("site-packages", lambda: [os.listdir(folder) for folder in HIDDEN])
 attempt("uid", os.getuid)
 attempt("capabilities", lambda: [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0])
 attempt("processes", lambda: sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
@@ -245,7 +246,7 @@ def test_the_kernel_alone_contains_code_without_the_audit_hook(host: Host):
 
     view = isolation.probe("bwrap", sys.executable)
     numbers = {name: pyseccomp.resolve_syscall(pyseccomp.system_arch(), name) for name in REFUSED}
-    code = host.fill(KERNEL_ONLY).replace("SYSCALLS", repr(numbers))
+    code = host.fill(KERNEL_ONLY).replace("SYSCALLS", repr(numbers)).replace("HIDDEN", repr(view.hidden))
     command = [view.executable, "-I", "-S", "-c", code]
     with isolation.bwrap_command("bwrap", view, command, disk_bytes=1 << 20) as (argv, fd):
         done = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True, timeout=120)
@@ -268,6 +269,7 @@ def test_the_kernel_alone_contains_code_without_the_audit_hook(host: Host):
     assert outcomes["processes"] == "ran: [1, 2]"  # bubblewrap's init and the code: no other process is visible
     roots = {Path(p).parts[1] for p in view.read_only} | {"dev", "proc", "work"}
     assert outcomes["root"] == f"ran: {sorted(roots)!r}"
+    assert outcomes["site-packages"] == f"ran: {[[] for _ in view.hidden]!r}"  # covered where the stdlib holds it
     host.assert_untouched(done.stdout)
 
 
