@@ -16,9 +16,9 @@ from typing import Any
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
+from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.kernels import packed_gspo_applies
 from megatron_rl.megatron_backend.models.architecture import is_moe
-from megatron_rl.trainer.fidelity_guard import stop_rules
 
 # Engines that can return the experts each token was routed to (needed by R3).
 ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")

@@ -23,6 +23,7 @@ from megatron_rl.algorithms import compute_advantages
 from megatron_rl.algorithms.advantages import estimator_options
 from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
@@ -42,7 +43,7 @@ from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
-from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop, stop_rules
+from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop
 from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
 from megatron_rl.trainer.rl_batch import samples_to_batch, select
 from megatron_rl.trainer.rl_loss import build_rl_loss

@@ -1,5 +1,6 @@
-"""`trainer.stop_on` (trainer/fidelity_guard.py): each watched metric stops on the right side of its threshold, with
-a message naming the metric, the threshold, its recent values and the usual causes; bad keys are refused at load.
+"""`trainer.stop_on` (config/stop_on.py, trainer/fidelity_guard.py): each watched metric stops on the right side
+of its threshold, with a message naming the metric, the threshold, its recent values and the usual causes; bad keys
+are refused at load.
 
 The rows are steps 1-5 of a real run (`megatron-rl train examples/tiny_moe_grpo_r2.yaml algo.routing_replay=R3`,
 fp32 CPU, 2026-12-02; the logged keys this guard reads), so each threshold is checked against values a run logs.
@@ -13,7 +14,8 @@ import math
 import pytest
 
 from megatron_rl.config import ConfigError, load_config
-from megatron_rl.trainer.fidelity_guard import FidelityGuard, StopRule, default_stop_on, stop_rules
+from megatron_rl.config.stop_on import StopRule, default_stop_on, stop_rules
+from megatron_rl.trainer.fidelity_guard import FidelityGuard
 
 EXAMPLE = "examples/tiny_moe_gspo.yaml"
 R3_ROWS = [
