@@ -529,7 +529,8 @@ class TrainerConfig:
         "mismatch/k3_kl, mismatch/logp_abs_diff_max, actor/grad_norm (above = stop) and routing/agreement (below "
         "= stop), or {metric: {threshold: N, action: skip}} to drop and count (actor/grad_norm_skipped) the "
         "updates whose grad norm is above N; null = the defaults measured on fp32 (mismatch and route agreement "
-        "with the local engine only; none for bf16: docs/reliability.md), {} = off. NaN/inf stay with on_nonfinite",
+        "with the local engine in sync mode only; none for bf16: docs/reliability.md), {} = off. NaN/inf stay "
+        "with on_nonfinite",
     )
 
 

@@ -58,8 +58,9 @@ class StopRule:
 
 
 # Measured healthy ranges of the CPU demos with a margin (docs/reliability.md, "Fidelity thresholds"): fp32
-# trainer and fp32 local engine. The mismatch and the route agreement depend on the engine's numerics as much as
-# the trainer's, so their defaults hold for the local engine only; bf16 has no measured range here: off.
+# trainer and fp32 local engine, sync mode. The mismatch and the route agreement depend on the engine's numerics
+# (and, in async mode, on the samples' staleness) as much as on the trainer's, so their defaults hold for the local
+# engine in sync mode only; bf16 has no measured range here: off.
 MEASURED_FP32: dict[str, float] = {
     "mismatch/k3_kl": 1e-5,
     "mismatch/logp_abs_diff_max": 1e-3,
@@ -71,15 +72,16 @@ ENGINE_INDEPENDENT = ("actor/grad_norm",)
 
 def default_stop_on(cfg: RLConfig) -> dict[str, float]:
     """The thresholds `trainer.stop_on: null` means for this run: the measured fp32 ones (the mismatch and route
-    agreement ones with the local engine only; route agreement where the run logs it), nothing for bf16."""
+    agreement ones with the local engine in sync mode only; route agreement where the run logs it), none for
+    bf16."""
     if cfg.model.options.dtype != "fp32":
         return {}
+    as_measured = cfg.rollout.engine == "local" and cfg.trainer.mode == "sync"
     agreement = cfg.algo.routing_replay != "off" and cfg.algo.replay_agreement_every > 0
     return {
         metric: threshold
         for metric, threshold in MEASURED_FP32.items()
-        if (cfg.rollout.engine == "local" or metric in ENGINE_INDEPENDENT)
-        and (metric != "routing/agreement" or agreement)
+        if (as_measured or metric in ENGINE_INDEPENDENT) and (metric != "routing/agreement" or agreement)
     }
 
 

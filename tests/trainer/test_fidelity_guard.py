@@ -87,12 +87,14 @@ def test_skip_is_no_stop_and_is_handed_to_the_update() -> None:
     assert first_stop(guard.rules, R3_ROWS) is None
 
 
-def test_defaults_per_dtype_and_engine() -> None:
+def test_defaults_per_dtype_engine_and_mode() -> None:
     assert default_stop_on(load_config(EXAMPLE, ["model.options.dtype=bf16"])) == {}
     fp32 = default_stop_on(load_config(EXAMPLE))
     assert set(fp32) == {"mismatch/k3_kl", "mismatch/logp_abs_diff_max", "actor/grad_norm"}  # no replay: no routes
     sglang = default_stop_on(load_config(EXAMPLE, ["rollout.engine=sglang"]))
     assert set(sglang) == {"actor/grad_norm"}  # the engine's numerics were measured for the local engine only
+    in_async = default_stop_on(load_config(EXAMPLE, ["trainer.mode=async"]))
+    assert set(in_async) == {"actor/grad_norm"}  # async samples are a version old: the mismatch includes that
     assert stop_rules(load_config(EXAMPLE, ["trainer.stop_on={}"])) == ([], [])
 
 
