@@ -27,11 +27,14 @@ class ProbeTolerance:
     mean_abs: float
 
 
-# Measured healthy maxima (docs/reliability.md gives the commands and the figures) times a margin of 10.
+# Healthy worst cases measured against an fp32 trainer (docs/reliability.md, "Verified weight syncs", with the
+# commands): fp32 local engine 4.8e-6 max / 7.4e-7 mean, fp32 SGLang 2.4e-6 / 5.1e-7 (>= 200x margin: GPU fp32
+# kernels are unmeasured); bf16 SGLang 0.46 / 0.012 (about 4x: the max is a routing flip's, so bf16 is judged
+# mainly by the mean). One layer-0 expert scaled by 1.5 measured 1.93 / 0.155. float16 takes bf16's, unmeasured.
 TOLERANCES: dict[str, ProbeTolerance] = {
     "float32": ProbeTolerance(max_abs=1e-3, mean_abs=1e-4),
-    "bfloat16": ProbeTolerance(max_abs=1.0, mean_abs=0.1),
-    "float16": ProbeTolerance(max_abs=1.0, mean_abs=0.1),
+    "bfloat16": ProbeTolerance(max_abs=2.0, mean_abs=0.05),
+    "float16": ProbeTolerance(max_abs=2.0, mean_abs=0.05),
 }
 LIKELY_CAUSES = (
     "an engine kernel that re-lays out or re-quantises MoE expert weights after loading, a parameter the sync "
