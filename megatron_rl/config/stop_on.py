@@ -65,7 +65,7 @@ MEASURED_FP32: dict[str, float] = {
     "mismatch/k3_kl": 1e-5,
     "mismatch/logp_abs_diff_max": 1e-3,
     "routing/agreement": 0.95,
-    "actor/grad_norm": 5000.0,
+    "actor/grad_norm": 2e4,
 }
 ENGINE_INDEPENDENT = ("actor/grad_norm",)
 
