@@ -15,7 +15,7 @@ from megatron_rl.config import AlgoConfig, ModelConfig, RLConfig, load_config
 from megatron_rl.config.loader import configure
 
 REPO = Path(__file__).parents[1]
-UNTIMED = ("time/", "perf/", "memory/")
+UNTIMED = ("time/", "perf/", "memory/", "sync/")  # sync/: a resumed run verifies its first sync
 
 
 def _readme_example() -> str:
