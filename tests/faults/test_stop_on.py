@@ -2,13 +2,18 @@
 grad norm is above the skip threshold (skipped and counted, the weights untouched), and the route agreement
 (at most 1) is below 1.01, so the run stops after step 1 with one line naming the metric, its threshold, its
 values and the usual causes, before checkpointing that step. The guard's other metrics, one by one on real
-rows, are tests/trainer/test_fidelity_guard.py."""
+rows, are tests/trainer/test_fidelity_guard.py. Under torchrun (DP=2) every rank takes rank 0's verdict and stops
+at the same step."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from tests.faults.harness import error_lines, history, latest, train
+import pytest
+
+from megatron_rl.megatron_backend.distributed import free_port
+from tests.faults.harness import Trainer, error_lines, history, latest, train, train_command
 
 STOP_ON = "trainer.stop_on={routing/agreement: 1.01, actor/grad_norm: {threshold: 1.0e-6, action: skip}}"
 R3 = ("model.options.routing_replay=true", "algo.routing_replay=R3", "trainer.steps=3")
@@ -29,3 +34,17 @@ def test_thresholds_skip_updates_then_stop_the_run(fault_model: Path, tmp_path: 
     assert rows[0]["actor/grad_norm_skipped"] == 2.0 and rows[0]["actor/grad_norm_max"] > 1e-6
     assert rows[0]["routing/agreement"] <= 1.0
     assert latest(out) is None
+
+
+@pytest.mark.torchrun
+def test_every_rank_stops_at_the_same_step_under_torchrun(fault_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", f"--master-port={free_port()}"]
+    overrides = ("trainer.steps=3", "trainer.stop_on={actor/grad_norm: 1.0e-6}")
+    run = Trainer([*torchrun, "-m", *train_command(out, fault_model, *overrides)[2:]])
+    code, output = run.wait(timeout=300), run.output()  # a rank left waiting in a collective would hang here
+    assert code != 0, output[-3000:]
+    errors = error_lines(output)
+    assert errors and all("actor/grad_norm=" in e and "at step 1 is above" in e for e in errors), output[-3000:]
+    assert len(errors) == 2  # each worker ends with the one line (torchrun then reports its failed children)
+    assert [r["step"] for r in history(out)] == [1] and latest(out) is None
