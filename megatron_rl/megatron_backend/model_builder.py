@@ -18,6 +18,7 @@ from megatron_rl.megatron_backend.models.family import HFConfig, ModelFamily, ge
 from megatron_rl.megatron_backend.models.grouped_experts import grouped_unsupported_reason, with_grouped_experts
 from megatron_rl.megatron_backend.options import ModelOptions
 from megatron_rl.megatron_backend.packed_attention import packed_variant, with_local_core_attention
+from megatron_rl.megatron_backend.packed_rope import use_one_pass_thd_rope
 from megatron_rl.megatron_backend.sdpa_attention import sdpa_variant
 from megatron_rl.routing.compat import refuse_unsafe_replay_options
 
@@ -135,6 +136,8 @@ def build_model(
 
     family: ModelFamily = get_family(hf)
     config = transformer_config(hf, layout, options)
+    if options.packing:
+        use_one_pass_thd_rope()
     te = use_transformer_engine(options)
     grouped = use_grouped_experts(config, options, te)
     model_parallel_cuda_manual_seed(options.seed)

@@ -55,13 +55,13 @@ class Packing:
 
     def positions(self) -> torch.Tensor:
         """`[1, total]`: each token's position within its own segment."""
-        return torch.cat([torch.arange(n) for n in self.segments()]).unsqueeze(0)
+        return _positions_within(torch.tensor(self.segments()), self.total).unsqueeze(0)
 
     @functools.cached_property
     def _rows_cols(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.cat([torch.full((n,), j) for j, n in enumerate(self.lengths)])
-        cols = torch.cat([torch.arange(n) for n in self.lengths])
-        return rows, cols
+        lengths = torch.tensor(self.lengths)
+        rows = torch.repeat_interleave(torch.arange(len(self.lengths)), lengths, output_size=self.used)
+        return rows, _positions_within(lengths, self.used)
 
     def _index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of the per-sample layout, in packed order, for the samples' tokens."""
@@ -93,3 +93,10 @@ class Packing:
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
+
+
+def _positions_within(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """`[total]`: 0..n-1 for each of the consecutive segments of `lengths` (summing to `total`), in a few
+    operators whatever their number (a micro-batch packs tens of samples)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(total) - torch.repeat_interleave(starts, lengths, output_size=total)
