@@ -78,8 +78,14 @@ def main() -> None:
         ids = torch.where(torch.arange(width) < lengths[:, None], ids, 0)
 
         layout = ParallelLayout()
-        init_distributed(layout, seed=0, num_layers=dims.num_layers, num_experts=dims.num_experts,
-                         num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups)  # fmt: skip
+        init_distributed(
+            layout,
+            seed=0,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts,
+            num_attention_heads=dims.num_attention_heads,
+            num_query_groups=dims.num_query_groups,
+        )
         try:
             actor = MegatronActor.from_hf(model_dir, layout, model_options=ModelOptions(dtype="fp32"))
             batch = TokenBatch(input_ids=ids, lengths=lengths, response_start=lengths // 2)
@@ -106,7 +112,7 @@ def main() -> None:
     print(f"{args.spec}: {layers} layers, {args.samples} samples, {tokens} tokens ({args.samples * width} padded)")
     print(f"{'':<28}{'ours':>10}{'transformers':>14}")
     print(f"{'ATen operators / forward':<28}{sum(ours.values()):>10}{sum(theirs.values()):>14}")
-    print(f"{'  per layer':<28}{sum(ours.values()) / layers:>10.0f}{sum(theirs.values()) / layers:>14.0f}")
+    print(f"{'  / layers':<28}{sum(ours.values()) / layers:>10.0f}{sum(theirs.values()) / layers:>14.0f}")
     print(f"{'ATen CPU self time (ms)':<28}{ours_ms:>10.2f}{theirs_ms:>14.2f}")
     for name, counts in (("ours", ours), ("transformers", theirs)):
         print(f"\nmost frequent ({name}): " + ", ".join(f"{k[6:]} {v}" for k, v in counts.most_common(args.top)))
