@@ -142,9 +142,10 @@ def _non_loopback_ipv4() -> str | None:
 
 
 def test_weight_sync_store_listens_on_the_trainer_address_only() -> None:
-    """The broadcast group's TCP store listens on `master_address`, not on every interface as TCPStore alone."""
+    """The broadcast group's store listens on `master_address`, not on every interface as TCPStore alone."""
     import torch.distributed as dist
 
+    from megatron_rl.rollout.broadcast_store import GuardedStore
     from megatron_rl.rollout.weight_sync import _listen, _new_process_group
 
     other = _non_loopback_ipv4()
@@ -152,13 +153,15 @@ def test_weight_sync_store_listens_on_the_trainer_address_only() -> None:
         pytest.skip("no non-loopback IPv4 address to probe")
     listener = _listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
-    group = _new_process_group("gloo", listener, 1, "megatron_rl_weight_update_test", 30, "127.0.0.1")
+    store = GuardedStore(listener, "megatron_rl_weight_update_test")
+    group = _new_process_group("gloo", "127.0.0.1", port, 1, "megatron_rl_weight_update_test", 30)
     try:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         with pytest.raises(OSError):
             socket.create_connection((other, port), timeout=5).close()
     finally:
         dist.destroy_process_group(group)
+        store.close()
 
 
 def test_generated_keys_never_look_like_options(tmp_path: Path) -> None:
