@@ -44,16 +44,21 @@ class SyncVerifier:
             return
         start = time.perf_counter()
         expected = probe_log_probs(actor, self.prompts)
-        verdict: str | None = None
+        verdict, failure = ("ok", ""), None
         if engine is not None:
             try:
-                verdict = self._check(engine, expected, version)
+                mismatch = self._check(engine, expected, version)
+                verdict = ("ok", "") if mismatch is None else ("mismatch", mismatch)
             except RolloutEngineError:
-                verdict = "pending"  # the engine failed while scoring: recovered and re-sent at the next rollout
-        verdict = broadcast_object(verdict)
-        self._pending = verdict == "pending"
-        if verdict not in (None, "pending"):
-            raise WeightSyncMismatch(verdict)
+                verdict = ("pending", "")  # the engine failed while scoring: recovered and re-sent at the next rollout
+            except Exception as err:  # raised on every rank, so none waits for the others forever
+                verdict, failure = ("error", f"scoring the weight-sync probe failed on rank 0: {err!r}"), err
+        kind, message = broadcast_object(verdict)
+        self._pending = kind == "pending"
+        if kind == "mismatch":
+            raise WeightSyncMismatch(message)
+        if kind == "error":
+            raise failure if failure is not None else RuntimeError(message)
         self._metrics["time/sync_probe"] = self._metrics.get("time/sync_probe", 0.0) + time.perf_counter() - start
 
     def pop_metrics(self) -> dict[str, float]:
@@ -74,8 +79,9 @@ class SyncVerifier:
             results = [compare_probe(expected, replica, version) for replica in served]
         except WeightSyncMismatch as err:
             return str(err)
-        self._metrics["sync/probe_logp_diff_max"] = max(r.max_abs for r in results)
-        self._metrics["sync/probe_logp_diff_mean"] = max(r.mean_abs for r in results)
+        for key, value in (("sync/probe_logp_diff_max", max(r.max_abs for r in results)),
+                           ("sync/probe_logp_diff_mean", max(r.mean_abs for r in results))):  # fmt: skip
+            self._metrics[key] = max(value, self._metrics.get(key, value))  # the worst replica and sync
         return None
 
 
