@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from megatron_rl.megatron_backend.distributed import free_port
 from tests.trainer.test_train_loop import EXAMPLE, FAST, NO_WARMUP, _history, model_dir  # noqa: F401 - a fixture
 
 PERTURBING = Path(__file__).parent / "scripts" / "train_with_perturbed_expert.py"
@@ -41,3 +44,34 @@ def test_a_sync_whose_engine_computes_with_a_perturbed_expert_stops_the_run(
     assert [r["step"] for r in history] == [1]
     assert 0 <= history[0]["sync/probe_logp_diff_max"] < 1e-4
     assert history[0]["time/sync_probe"] > 0
+
+
+@pytest.mark.torchrun
+def test_under_torchrun_every_rank_stops_with_the_message(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """TP=2: rank 0 holds the engine and compares; the verdict reaches rank 1, and both stop, neither hangs."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(PERTURBING),
+        "train",
+        str(EXAMPLE),
+        f"trainer.output_dir={tmp_path}",
+        f"model.hf_path={model_dir}",
+        *FAST,
+        NO_WARMUP,
+        *SMALL,
+        "rollout.verify_sync_every=1",
+        "parallel.tp=2",
+    ]
+    env = {**os.environ, "PERTURB_AT": "step-2", "PERTURBED": str(tmp_path / "p.json"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    stopped = [line for line in proc.stderr.splitlines() if line.startswith("megatron-rl train: stopped: ")]
+    assert proc.returncode != 0 and len(stopped) == 2, proc.stderr[-3000:]  # one line per rank
+    assert all("weight sync to version 'step-2' did not take effect on local engine" in line for line in stopped)
