@@ -48,7 +48,8 @@ def test_a_sync_whose_engine_computes_with_a_perturbed_expert_stops_the_run(
 
 @pytest.mark.torchrun
 def test_under_torchrun_every_rank_stops_with_the_message(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    """TP=2: rank 0 holds the engine and compares; the verdict reaches rank 1, and both stop, neither hangs."""
+    """TP=2: rank 0 holds the engine and compares, and broadcasts the verdict; the run stops with the message and
+    does not hang (rank 1 prints it too unless torchrun ends it first, once rank 0 has exited)."""
     cmd = [
         sys.executable,
         "-m",
@@ -73,5 +74,5 @@ def test_under_torchrun_every_rank_stops_with_the_message(model_dir: Path, tmp_p
     env = {**os.environ, "PERTURB_AT": "step-2", "PERTURBED": str(tmp_path / "p.json"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     stopped = [line for line in proc.stderr.splitlines() if line.startswith("megatron-rl train: stopped: ")]
-    assert proc.returncode != 0 and len(stopped) == 2, proc.stderr[-3000:]  # one line per rank
+    assert proc.returncode != 0 and 1 <= len(stopped) <= 2, proc.stderr[-3000:]
     assert all("weight sync to version 'step-2' did not take effect on local engine" in line for line in stopped)
