@@ -125,22 +125,27 @@ def _check_success(url: str, path: str, answer: object) -> None:
         raise SGLangServerError(f"SGLang {url}{path} failed: {answer.get('message')}")
 
 
+AFTER_FAILURE_TIMEOUT_S = 30.0  # the longest a server may take to end a weight update that already failed
+
+
 class _Session:
     """`/begin_weight_update` … `/end_weight_update` on every server (mandatory since SGLang 0.5.22)."""
 
     def __init__(self, urls: list[str], timeout_s: float, api_key: str | None):
         self.urls, self.timeout_s, self.api_key = urls, timeout_s, api_key
 
-    def _call(self, path: str, body: dict) -> None:
-        _each(self.urls, lambda u: request_json(u, path, body, timeout_s=self.timeout_s, api_key=self.api_key))
+    def _call(self, path: str, body: dict, timeout_s: float) -> None:
+        _each(self.urls, lambda u: request_json(u, path, body, timeout_s=timeout_s, api_key=self.api_key))
 
     def __enter__(self) -> _Session:
-        self._call("/begin_weight_update", {"selector": "all"})
+        self._call("/begin_weight_update", {"selector": "all"}, self.timeout_s)
         return self
 
     def __exit__(self, *exc) -> None:
+        # After a failure (a stalled broadcast) a server may be stuck: its session end must not hold the error.
+        timeout_s = self.timeout_s if exc[0] is None else min(self.timeout_s, AFTER_FAILURE_TIMEOUT_S)
         try:
-            self._call("/end_weight_update", {})
+            self._call("/end_weight_update", {}, timeout_s)
         except SGLangServerError:
             if exc[0] is None:
                 raise

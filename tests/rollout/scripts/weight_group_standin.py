@@ -9,7 +9,8 @@ serves HTTP on a free port of 127.0.0.1, printed as the first line of its output
 - `join`: joins the group as SGLang does (`init_custom_process_group`: `rendezvous("tcp://addr:port")`, a
   `PrefixStore(group_name)`, `_new_process_group_helper`) and receives each `/update_weights_from_distributed`
   bucket by `broadcast(src=0)`, answering the received tensors' sums;
-- `stall`: joins, but never receives a bucket (a server stuck mid-transfer).
+- `stall`: joins, but never receives a bucket, and never answers `/end_weight_update` (a server stuck
+  mid-transfer).
 Weight-session and version endpoints answer success.
 """
 
@@ -71,8 +72,14 @@ def init(body: dict) -> dict:
     return join(body)
 
 
+def end(body: dict) -> dict:
+    if MODE == "stall":
+        threading.Event().wait()
+    return {"success": True}
+
+
 ROUTES = {"/init_weights_update_group": init, "/update_weights_from_distributed": receive,
-          "/destroy_weights_update_group": destroy}  # fmt: skip
+          "/destroy_weights_update_group": destroy, "/end_weight_update": end}  # fmt: skip
 
 
 class Handler(BaseHTTPRequestHandler):
