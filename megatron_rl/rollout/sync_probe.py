@@ -112,7 +112,7 @@ def compare_probe(
     if not (result.max_abs <= tol.max_abs and result.mean_abs <= tol.mean_abs):  # NaN fails too
         raise WeightSyncMismatch(
             f"weight sync to version {version!r} did not take effect on {served.replica}: on a probe of "
-            f"{result.tokens} prompt tokens its log-probs differ from the trainer's by max |dlogp| = "
+            f"{result.tokens} scored prompt tokens its log-probs differ from the trainer's by max |dlogp| = "
             f"{result.max_abs:.4g}, mean {result.mean_abs:.4g} (tolerance for {served.dtype}: max "
             f"{tol.max_abs:g}, mean {tol.mean_abs:g}); likely causes: {LIKELY_CAUSES}. The run stops: generating "
             "with other weights than the trained ones corrupts every later step (rollout.verify_sync=off skips "
