@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -80,3 +81,11 @@ def shutdown() -> None:
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (itself in a world of one)."""
+    box = [obj]
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -29,7 +29,7 @@ from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
-from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
+from megatron_rl.megatron_backend.distributed import broadcast_object, init_distributed, shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
@@ -50,7 +50,6 @@ from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
     RolloutSource,
     SyncRollout,
-    broadcast_object,
     collect_rollout,
     sync_or_defer,
     sync_weights,

@@ -12,9 +12,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch.distributed as dist
-
 from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.distributed import broadcast_object
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
@@ -148,11 +147,3 @@ def sync_or_defer(
         sync_weights(actor, engine, cfg, version=version, verifier=verifier)
     except RolloutEngineError as err:
         print(f"{what} failed ({err}); recovering at the next rollout", flush=True)
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank."""
-    box = [obj]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -15,10 +15,10 @@ import torch
 
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.distributed import broadcast_object
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.engine_memory import CACHE_TAGS
 from megatron_rl.rollout.sync_probe import VerifyMode, WeightSyncMismatch, compare_probe, verify_due
-from megatron_rl.trainer.rollout_phase import broadcast_object
 
 
 class SyncVerifier:

@@ -63,7 +63,7 @@ def test_model_weights_load_into_any_layout(tiny_moe_dir: Path, trained_actor_ch
         assert worst < 5e-6, f"{extra}: {worst}"
 
 
-@pytest.mark.same_on_every_megatron  # our background writer's ordering; the save itself is test_resume_continues_exactly's
+@pytest.mark.same_on_every_megatron  # our background writer's ordering (the save is test_resume_continues_exactly's)
 def test_background_save_waits_for_the_previous_and_resumes_exactly(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """Two data-parallel ranks save steps 1, 2 and 3 in the background while training goes on: a background save is
     published by its writer thread once both ranks have written it (at once or later, never half), the next save
