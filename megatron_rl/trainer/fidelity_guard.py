@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from megatron_rl.config.stop_on import WATCHED, StopRule
 
 
-class FidelityStop(ValueError):
-    """A `trainer.stop_on` threshold was crossed; a ValueError, so the CLI prints its one line: the cause is a
-    property of the run (its weights sync, kernels, data or learning rate), not the code."""
+class FidelityStop(RuntimeError):
+    """A `trainer.stop_on` threshold was crossed: the run stops on purpose, as on a failed weight-sync probe (the
+    CLI prints the one line after "stopped:" and exits 3); the cause is a property of the run (its weight sync,
+    kernels, data or learning rate), not of the code."""
+
+    stops_run = True
 
 
 @dataclass

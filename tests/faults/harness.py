@@ -121,6 +121,11 @@ def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("megatron-rl train: error:")]
 
 
+def stop_lines(output: str) -> list[str]:
+    """The lines of a run that stopped on purpose (a fidelity threshold, a failed weight-sync probe: exit 3)."""
+    return [line for line in output.splitlines() if line.startswith("megatron-rl train: stopped:")]
+
+
 def history(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

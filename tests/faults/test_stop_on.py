@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.megatron_backend.distributed import free_port
-from tests.faults.harness import Trainer, error_lines, history, latest, train, train_command
+from tests.faults.harness import Trainer, history, latest, stop_lines, train, train_command
 
 STOP_ON = "trainer.stop_on={routing/agreement: 1.01, actor/grad_norm: {threshold: 1.0e-6, action: skip}}"
 R3 = ("model.options.routing_replay=true", "algo.routing_replay=R3", "trainer.steps=3")
@@ -22,8 +22,8 @@ R3 = ("model.options.routing_replay=true", "algo.routing_replay=R3", "trainer.st
 def test_thresholds_skip_updates_then_stop_the_run(fault_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     code, output = train(out, fault_model, *R3, STOP_ON)
-    assert code == 2, output[-3000:]
-    errors = error_lines(output)
+    assert code == 3, output[-3000:]
+    errors = stop_lines(output)
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
     assert "routing/agreement=" in errors[0] and "at step 1 is below the trainer.stop_on threshold 1.01" in errors[0]
     assert "(last 1 steps: " in errors[0] and "R3" in errors[0], errors[0]
@@ -44,7 +44,7 @@ def test_every_rank_stops_at_the_same_step_under_torchrun(fault_model: Path, tmp
     run = Trainer([*torchrun, "-m", *train_command(out, fault_model, *overrides)[2:]])
     code, output = run.wait(timeout=300), run.output()  # a rank left waiting in a collective would hang here
     assert code != 0, output[-3000:]
-    errors = error_lines(output)
+    errors = stop_lines(output)
     assert errors and all("actor/grad_norm=" in e and "at step 1 is above" in e for e in errors), output[-3000:]
     assert len(errors) == 2  # each worker ends with the one line (torchrun then reports its failed children)
     assert [r["step"] for r in history(out)] == [1] and latest(out) is None
