@@ -24,9 +24,9 @@ from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-proces
 from tests.megatron.dist_harness import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "nonfinite_rank_check.py"
-# Fused and per-tensor Adam round differently: from the same gradients, weights of ~0.1 differ by at most
-# an ulp or two (~1e-8; measured below it), after a step of 1e-2.
-ADAM_ATOL = 5e-8
+# Fused and per-tensor Adam round differently: from the same gradients, after a step of 1e-2, a weight differs
+# by at most a few ulps of its tensor's largest weight (measured: up to 1, 1.2e-7 near 1.0, on this AMD EPYC).
+ADAM_ULPS = 4
 
 
 def batch() -> TokenBatch:
@@ -118,8 +118,10 @@ def test_update_equals_megatrons_own_step(tiny_moe_dir: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_weights(new), _weights(old), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(_adam_state(new), _adam_state(old), strict=True))
     moved = max(float((a - s).abs().max()) for a, s in zip(first, start, strict=True))
-    worst = max(float((a - r).abs().max()) for a, r in zip(first, reference, strict=True))
-    assert moved > 1e-3 and worst < ADAM_ATOL, (moved, worst)
+    eps = torch.finfo(torch.float32).eps
+    # In ulps of each tensor's largest weight: Adam's update is ~lr for every element, so its rounding is too.
+    worst = max(float((a - r).abs().max() / (r.abs().max() * eps)) for a, r in zip(first, reference, strict=True))
+    assert moved > 1e-3 and worst <= ADAM_ULPS, (moved, worst)
 
 
 @pytest.mark.usefixtures("megatron_world")

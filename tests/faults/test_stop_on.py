@@ -1,8 +1,9 @@
 """`trainer.stop_on` end to end: a real R3 run whose thresholds are set past its healthy values. Every update's
 grad norm is above the skip threshold (skipped and counted, the weights untouched), and the route agreement
 (at most 1) is below 1.01, so the run stops after step 1 with one line naming the metric, its threshold, its
-values and the usual causes, before checkpointing that step. The guard's other metrics, one by one on real
-rows, are tests/trainer/test_fidelity_guard.py. Under torchrun (DP=2) every rank takes rank 0's verdict and stops
+values and the usual causes, before checkpointing that step. Each mismatch threshold, set below its healthy
+value, stops a run of its own at step 1. The guard's rules, one by one on real rows, are
+tests/trainer/test_fidelity_guard.py. Under torchrun (DP=2) every rank takes rank 0's verdict and stops
 at the same step."""
 
 from __future__ import annotations
@@ -47,4 +48,21 @@ def test_every_rank_stops_at_the_same_step_under_torchrun(fault_model: Path, tmp
     errors = stop_lines(output)
     assert errors and all("actor/grad_norm=" in e and "at step 1 is above" in e for e in errors), output[-3000:]
     assert len(errors) == 2  # each worker ends with the one line (torchrun then reports its failed children)
+    assert [r["step"] for r in history(out)] == [1] and latest(out) is None
+
+
+@pytest.mark.parametrize(
+    ("metric", "threshold"),
+    [
+        ("mismatch/logp_abs_diff_max", 1.0e-12),  # healthy: ~1e-5 (fp32 trainer and local engine)
+        ("mismatch/k3_kl", -1.0),  # healthy: |k3| <= 3e-9, so every value is above -1
+    ],
+)
+def test_a_mismatch_threshold_stops_the_run(fault_model: Path, tmp_path: Path, metric: str, threshold: float) -> None:
+    out = tmp_path / "run"
+    code, output = train(out, fault_model, "trainer.steps=2", f"trainer.stop_on={{{metric}: {threshold}}}")
+    assert code == 3, output[-3000:]
+    (line,) = stop_lines(output)
+    assert f"{metric}=" in line and "at step 1 is above the trainer.stop_on threshold" in line, line
+    assert "weight sync" in line  # the usual causes are named
     assert [r["step"] for r in history(out)] == [1] and latest(out) is None
