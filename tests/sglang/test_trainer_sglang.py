@@ -275,7 +275,7 @@ def test_sglang_serves_an_exported_rl_checkpoint(sglang_py: str, model_dir: Path
     assert score.returncode == 0, score.stderr[-3000:]
     trainer = json.loads((tmp_path / "out.jsonl").read_text())["log_probs"]
     with _launch(sglang_py, exported, "float32", tmp_path / "logs") as servers:
-        served = SGLangEngine(servers, request_timeout_s=120).score(ids)
+        (served,) = SGLangEngine(servers, request_timeout_s=120).score_prompts([ids])[0].log_probs
     worst = max(abs(a - b) for a, b in zip(served, trainer, strict=True))
     print(f"\nexported checkpoint: SGLang vs trainer max |Δ log-prob| = {worst:.2e} over {len(ids) - 1} tokens")
     assert worst < 1e-3
