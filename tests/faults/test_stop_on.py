@@ -40,7 +40,10 @@ def test_thresholds_skip_updates_then_stop_the_run(fault_model: Path, tmp_path: 
 @pytest.mark.torchrun
 def test_every_rank_stops_at_the_same_step_under_torchrun(fault_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", f"--master-port={free_port()}"]
+    # torchrun kills the other workers as soon as it sees one exit; polling every 5 s (not 0.1 s) leaves a rank
+    # that stopped at the same step the time to print its line, while a rank left in a collective is still killed.
+    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", "--monitor-interval", "5"]
+    torchrun.append(f"--master-port={free_port()}")
     overrides = ("trainer.steps=3", "trainer.stop_on={actor/grad_norm: 1.0e-6}")
     run = Trainer([*torchrun, "-m", *train_command(out, fault_model, *overrides)[2:]])
     code, output = run.wait(timeout=300), run.output()  # a rank left waiting in a collective would hang here
