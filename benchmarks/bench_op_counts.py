@@ -78,14 +78,7 @@ def main() -> None:
         ids = torch.where(torch.arange(width) < lengths[:, None], ids, 0)
 
         layout = ParallelLayout()
-        init_distributed(
-            layout,
-            seed=0,
-            num_layers=dims.num_layers,
-            num_experts=dims.num_experts,
-            num_attention_heads=dims.num_attention_heads,
-            num_query_groups=dims.num_query_groups,
-        )
+        init_distributed(layout, seed=0, dims=dims)
         try:
             actor = MegatronActor.from_hf(model_dir, layout, model_options=ModelOptions(dtype="fp32"))
             batch = TokenBatch(input_ids=ids, lengths=lengths, response_start=lengths // 2)

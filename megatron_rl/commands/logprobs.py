@@ -120,14 +120,7 @@ def run(args: argparse.Namespace) -> int:
         pp_first_stage_layers=args.pp_first_stage_layers,
         pp_last_stage_layers=args.pp_last_stage_layers,
     )
-    init_distributed(
-        layout,
-        seed=0,
-        num_layers=dims.num_layers,
-        num_experts=dims.num_experts,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-    )
+    init_distributed(layout, seed=0, dims=dims)
     try:
         options = ModelOptions(dtype=args.dtype, routing_replay=True, packing=args.packing == "on")
         if args.checkpoint:

@@ -160,14 +160,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
         raise PlanError(f"impossible plan:\n  - {err}") from err
     layout = None
     try:
-        layout = cfg.parallel.validate(
-            world,
-            num_layers=dims.num_layers,
-            num_experts=dims.num_experts or None,
-            num_attention_heads=dims.num_attention_heads,
-            num_query_groups=dims.num_query_groups,
-            is_moe=dims.num_experts > 0,
-        )
+        layout = cfg.parallel.validate(world, **dims.layout_checks())
     except LayoutError as err:
         reasons.append(f"parallel layout on {world} training GPUs ({train_nodes} nodes): {err}")
     servers: list[RolloutServer] = []

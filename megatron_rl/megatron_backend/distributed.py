@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout, ResolvedLayout
 from megatron_rl.net import free_port
 
@@ -22,19 +23,15 @@ def init_distributed(
     layout: ParallelLayout,
     *,
     seed: int,
-    num_layers: int | None = None,
-    num_experts: int | None = None,
-    num_attention_heads: int | None = None,
-    num_query_groups: int | None = None,
-    is_moe: bool = True,
+    dims: ModelDims | None = None,
     timeout: timedelta | None = None,
 ) -> ResolvedLayout:
     """Bridge the platform, join the process group, validate and build `layout`, seed RNGs.
 
     Args:
-        layout: the parallel layout to build (see `ParallelLayout.validate` for the model
-            arguments, which are checked when given).
+        layout: the parallel layout to build.
         seed: base seed; Megatron derives the per-TP-rank and per-expert-rank seeds from it.
+        dims: the model the layout is checked against (`ModelDims.layout_checks`); None checks the world only.
         timeout: collective timeout of the default process group (None: torch's default).
 
     Returns the layout resolved against the world size. If torch.distributed is already
@@ -61,14 +58,7 @@ def init_distributed(
 
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron's process groups already exist; call ParallelLayout.destroy() first")
-    resolved = layout.validate(
-        torch.distributed.get_world_size(),
-        num_layers=num_layers,
-        num_experts=num_experts,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups,
-        is_moe=is_moe,
-    )
+    resolved = layout.validate(torch.distributed.get_world_size(), **(dims.layout_checks() if dims else {}))
     layout.initialize()
     model_parallel_cuda_manual_seed(seed)
     return resolved

@@ -149,14 +149,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
 
 def init_process_groups(cfg: RLConfig, dims: ModelDims) -> None:
     """torch.distributed and Megatron's parallel state for `cfg.parallel` on the model `dims` describes."""
-    init_distributed(
-        cfg.parallel,
-        seed=cfg.trainer.seed,
-        num_layers=dims.num_layers,
-        num_experts=dims.num_experts,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-    )
+    init_distributed(cfg.parallel, seed=cfg.trainer.seed, dims=dims)
 
 
 def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:

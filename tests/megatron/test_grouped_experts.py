@@ -160,8 +160,9 @@ def test_both_computations_are_bitwise_sequential(megatron_world, gemm: str, hid
 
 
 def test_grouped_gemm_with_frozen_weights_and_the_cpu_stacking_limit(megatron_world) -> None:  # noqa: F811
-    """Frozen expert weights: only the input's gradient, still bitwise. On CPU the grouped GEMM is taken while one
-    projection's stacked weights fit `CPU_STACK_MAX_BYTES`, the loop above it."""
+    """Frozen expert weights: only the input's gradient, still bitwise. On CPU the grouped GEMM is taken while each
+    expert's weight fits `CPU_EXPERT_MAX_BYTES` and one projection's stacked weights `CPU_STACK_MAX_BYTES`, the
+    loop above either."""
     from megatron_rl.megatron_backend.models import grouped_experts
 
     sequential, grouped = _experts_pair(64, 8, 4, seed=1)
@@ -174,12 +175,17 @@ def test_grouped_gemm_with_frozen_weights_and_the_cpu_stacking_limit(megatron_wo
     expected, got = _forward_backward(sequential, x, counts, probs), _forward_backward(grouped, x, counts, probs)
     assert set(got) == {"out", "x"}
     assert torch.equal(got["out"], expected["out"]) and torch.equal(got["x"], expected["x"])
-    weights = [torch.empty(32, 64) for _ in range(4)]  # 32 KiB stacked
-    limit = grouped_experts.CPU_STACK_MAX_BYTES
+    weights = [torch.empty(32, 64) for _ in range(4)]  # 8 KiB each, 32 KiB stacked
+    limits = grouped_experts.CPU_EXPERT_MAX_BYTES, grouped_experts.CPU_STACK_MAX_BYTES
     try:
-        grouped_experts.CPU_STACK_MAX_BYTES = 32 << 10
+        grouped_experts.CPU_EXPERT_MAX_BYTES, grouped_experts.CPU_STACK_MAX_BYTES = 8 << 10, 32 << 10
         assert grouped_experts._grouped_mm_runs(x, weights)
         grouped_experts.CPU_STACK_MAX_BYTES = (32 << 10) - 1
         assert not grouped_experts._grouped_mm_runs(x, weights)
+        grouped_experts.CPU_EXPERT_MAX_BYTES, grouped_experts.CPU_STACK_MAX_BYTES = (8 << 10) - 1, 32 << 10
+        assert not grouped_experts._grouped_mm_runs(x, weights)
     finally:
-        grouped_experts.CPU_STACK_MAX_BYTES = limit
+        grouped_experts.CPU_EXPERT_MAX_BYTES, grouped_experts.CPU_STACK_MAX_BYTES = limits
+    # The rule at the benchmark's sizes: the demo's experts (16 KiB fc1) grouped, BENCH_SPEC's (256 KiB) looped.
+    assert grouped_experts._grouped_mm_runs(x, [torch.empty(64, 64) for _ in range(8)])
+    assert not grouped_experts._grouped_mm_runs(torch.randn(16, 256), [torch.empty(256, 256) for _ in range(16)])

@@ -71,6 +71,16 @@ class ModelDims:
     def moe_layers(self) -> list[int]:
         return [i for i, is_moe in enumerate(self.moe_layer_pattern) if is_moe]
 
+    def layout_checks(self) -> dict[str, Any]:
+        """The model's sizes `ParallelLayout.validate` checks a layout against."""
+        return {
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts or None,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "is_moe": self.num_experts > 0,
+        }
+
 
 # Keys of config.json that do not change the forward pass: metadata, generation and initialisation settings,
 # and training-time regularisers the trainer never applies (dropout, router jitter, HF's aux loss).

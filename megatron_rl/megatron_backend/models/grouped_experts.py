@@ -2,7 +2,8 @@
 
 Megatron-Core's local spec builds a MoE layer's experts as `SequentialMLP` (transformer/moe/experts.py): one
 `MLP` per local expert, run in a Python loop over the expert's slice of the permuted tokens. On CPU, at the
-sizes RL fine-tuning runs there, that loop is a third of the forward-backward (docs/performance.md §11).
+sizes RL fine-tuning runs there, that loop is a third of the forward-backward (docs/performance.md, "The experts
+computed all at once").
 `grouped_mlp_class()` is the same module -- a subclass with exactly its parameters, names and
 `sharded_state_dict`, so checkpoints, HF conversion, weight sync and the families' mappings do not change --
 whose forward runs each projection of all local experts at once: one grouped GEMM
@@ -136,6 +137,11 @@ def _rebuilt(spec: Any, *, module: Any = None, submodules: Any = None) -> Any:
 # 28 MiB 3.7 ms, 32 MiB 18.5 ms with 8,193 page faults), and the loop of plain matmuls, which allocates nothing of
 # that size, is faster (benchmarks/bench_grouped_experts.py, docs/performance.md "The experts computed all at once").
 CPU_STACK_MAX_BYTES = 30 << 20
+# On CPU, the most bytes of one expert's weight for which the grouped GEMM is taken. Stacking copies every expert's
+# weight on every call, while the loop costs one matmul dispatch per expert: at the demo's 16 KiB per expert the two
+# are even; from BENCH_SPEC's 256 KiB the loop is as fast or faster, and at hidden 384 with 32 experts (576 KiB)
+# an update of the trainer's micro-batch takes 6-16% less time with it (benchmarks/bench_experts_gemm.py).
+CPU_EXPERT_MAX_BYTES = 64 << 10
 
 
 def _grouped_linear(
@@ -194,7 +200,10 @@ def _grouped_mm_runs(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     aligned = 16 // x.element_size()
     if x.data_ptr() % 16 or x.stride(0) % aligned or w.shape[0] % aligned or w.shape[1] % aligned:
         return False
-    return device.type != "cpu" or len(weights) * w.numel() * w.element_size() <= CPU_STACK_MAX_BYTES
+    if device.type != "cpu":
+        return True
+    expert_bytes = w.numel() * w.element_size()
+    return expert_bytes <= CPU_EXPERT_MAX_BYTES and len(weights) * expert_bytes <= CPU_STACK_MAX_BYTES
 
 
 def _per_token(per_expert: torch.Tensor, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:

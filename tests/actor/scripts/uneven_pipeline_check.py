@@ -32,7 +32,7 @@ def main() -> None:
 
     dims = model_dims(read_hf_config(args.model))
     layout = ParallelLayout(pp=args.pp, pp_first_stage_layers=args.first, pp_last_stage_layers=args.last)
-    init_distributed(layout, seed=7, num_layers=dims.num_layers, num_experts=dims.num_experts)
+    init_distributed(layout, seed=7, dims=dims)
     actor = MegatronActor.from_hf(
         args.model,
         layout,

@@ -59,13 +59,9 @@ def logprob_parity(trainer: dist_harness.Trainer, tokens: torch.Tensor) -> float
 
 def run_layout(name: str, steps: int, seed: int, megatron_init: bool) -> dict:
     layout, distopt = LAYOUTS[name]
-    init_distributed(
-        layout,
-        seed=seed,
-        num_layers=MODEL.num_layers,
-        num_experts=MODEL.num_experts,
-        num_attention_heads=MODEL.num_attention_heads,
-    )
+    init_distributed(layout, seed=seed)
+    sizes = {"num_layers": MODEL.num_layers, "num_experts": MODEL.num_experts}
+    layout.validate(torch.distributed.get_world_size(), **sizes, num_attention_heads=MODEL.num_attention_heads)
     start = time.perf_counter()
     trainer = dist_harness.make_trainer(
         MODEL, layout, seed=seed, distributed_optimizer=distopt, layout_independent_init=not megatron_init
