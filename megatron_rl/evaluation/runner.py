@@ -10,7 +10,6 @@ dataset's name, the step), so an evaluation of the same weights draws the same s
 
 from __future__ import annotations
 
-import re
 import time
 import zlib
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from megatron_rl.config.schema import EvalSet, RLConfig
 from megatron_rl.evaluation.metrics import dataset_metrics, default_pass_k
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError, SamplingParams
 from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.weight_version import version_step
 
 CORRECT_ABOVE = 0.5  # a sample whose reward is above this is correct
 
@@ -48,12 +48,6 @@ class EvalDataset:
 def eval_seed(seed: int, dataset: str, step: int) -> int:
     """The sampling seed of dataset `dataset`'s evaluation after step `step` in a run seeded `seed`."""
     return ((seed * 1_000_003 + zlib.crc32(dataset.encode())) * 100_003 + step) % (1 << 62)
-
-
-def weight_step(version: str) -> float:
-    """The step of an engine weight version ("step-12" -> 12.0); -1 when it names none (the launch weights)."""
-    found = re.search(r"(\d+)$", str(version))
-    return float(found.group(1)) if found else -1.0
 
 
 class Evaluator:
@@ -100,7 +94,7 @@ class Evaluator:
         `on_samples(name, samples)` receives each dataset's scored samples. An engine that fails is reported and the
         evaluation skipped (`eval/skipped`): the next rollout restarts it and re-sends the weights. A reward failing
         on more than `data.reward_failure_limit` of the samples raises RewardFailureError."""
-        metrics = {"eval/weight_version": weight_step(engine.weight_version)}
+        metrics = {"eval/weight_version": float(version_step(engine.weight_version, default=-1))}
         for ds in self.datasets:
             try:
                 scored, samples = self.score(ds, engine, step)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.weight_version import weight_version
 
 
 def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
@@ -63,13 +64,13 @@ def build_local_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> 
         from megatron_rl.rollout.engine_process import ProcessEngine
 
         threads = cfg.rollout.engine_threads
-        engine = ProcessEngine(model_dir, device=device, weight_version="step-0", torch_threads=threads)
+        engine = ProcessEngine(model_dir, device=device, weight_version=weight_version(0), torch_threads=threads)
         if device.type == "cpu":  # both processes compute on the same cores: the engine's come out of the trainer's
             torch.set_num_threads(max(1, torch.get_num_threads() - threads))
         return engine
     from megatron_rl.rollout.local_engine import LocalEngine
 
-    return LocalEngine(model_dir, device=device, weight_version="step-0")
+    return LocalEngine(model_dir, device=device, weight_version=weight_version(0))
 
 
 def local_engine_process(cfg: RLConfig) -> Literal["trainer", "separate"]:

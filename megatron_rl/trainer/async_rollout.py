@@ -24,7 +24,6 @@ AReaL, arXiv 2505.24298), on by default in async mode (docs/algorithms.md, item 
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -36,22 +35,13 @@ from typing import Any
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError, SamplingParams
 from megatron_rl.rollout.partial_rollout import generate_continuing, version_spans
 from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.weight_version import version_step
 from megatron_rl.trainer.step_metrics import rollout_metrics
-
-_VERSION = re.compile(r"step-(\d+)$")
-
-
-def version_number(version: str) -> int:
-    """The step of a loop weight version ("step-12" -> 12)."""
-    match = _VERSION.match(version)
-    if match is None:
-        raise ValueError(f"weight version {version!r} is not one of the loop's ('step-<n>')")
-    return int(match.group(1))
 
 
 def oldest_version(sample: Sample) -> int:
     """The oldest weight version behind any of the sample's tokens."""
-    return min(version_number(v) for v, _, _ in version_spans(sample))
+    return min(version_step(v) for v, _, _ in version_spans(sample))
 
 
 @dataclass

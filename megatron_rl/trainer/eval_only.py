@@ -26,6 +26,7 @@ from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine_factory import build_engine
+from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.input_guards import check_positions
 from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
@@ -116,7 +117,7 @@ def evaluate_checkpoint(
         )
         memory.for_training()
         memory.for_weight_sync()
-        sync_weights(actor, engine, cfg, version=f"step-{step}")  # as `train` sends the weights it evaluates
+        sync_weights(actor, engine, cfg, version=weight_version(step))  # as `train` sends the weights it evaluates
         memory.for_rollout()
         metrics: dict[str, float] = {}
         files: list[Path] = []

@@ -38,6 +38,7 @@ from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_f
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_factory import build_engine
+from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer import run_dir
@@ -316,7 +317,7 @@ def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: P
         parts.reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
-    sync_weights(actor, parts.engine, cfg, version=f"step-{state['step']}", verifier=parts.verifier)
+    sync_weights(actor, parts.engine, cfg, version=weight_version(state["step"]), verifier=parts.verifier)
     return True
 
 
@@ -376,12 +377,17 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
             with p.source.updating(step) if p.source is not None else nullcontext():
                 sync_or_defer(
-                    actor, p.engine, cfg, version=f"step-{step}", what=f"step {step}: weight sync", verifier=p.verifier
+                    actor,
+                    p.engine,
+                    cfg,
+                    version=weight_version(step),
+                    what=f"step {step}: weight sync",
+                    verifier=p.verifier,
                 )
         elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
             p.memory.for_weight_sync()
             what = f"step {step}: weight sync"
-            sync_or_defer(actor, p.engine, cfg, version=f"step-{step - 1}", what=what, verifier=p.verifier)
+            sync_or_defer(actor, p.engine, cfg, version=weight_version(step - 1), what=what, verifier=p.verifier)
         verified = p.verifier.pop_metrics() if p.verifier is not None else {}
         return {**metrics, **timings, **p.memory.pop_metrics(), **verified, "time/step": time.perf_counter() - t0}
 
@@ -434,7 +440,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     p.memory.for_weight_sync()
     with p.source.updating(step) if p.source is not None else nullcontext():
         what = f"step {step}: weight sync"
-        sync_or_defer(actor, p.engine, cfg, version=f"step-{step}", what=what, verifier=p.verifier)
+        sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
     metrics.update({**timings, **p.memory.pop_metrics(), **(p.verifier.pop_metrics() if p.verifier else {})})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
 
@@ -100,7 +101,7 @@ def collect_rollout(
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         with source.updating(step - 1, on_schedule=False) if source is not None else nullcontext():
             what = f"step {step}: re-sending the weights"
-            sync_or_defer(actor, engine, cfg, version=f"step-{step - 1}", what=what, verifier=verifier)
+            sync_or_defer(actor, engine, cfg, version=weight_version(step - 1), what=what, verifier=verifier)
         memory.for_rollout()
 
 
