@@ -29,6 +29,7 @@ from tests.faults.harness import (
     latest,
     train_command,
 )
+from tests.waiting import wait_until
 
 # Ten kills: where each lands is drawn at random (seeded) within its phase; the phases are shuffled.
 PHASES = ("startup",) * 2 + ("rollout", "training", "checkpoint write") * 2 + ("weight sync", "checkpoint published")
@@ -69,16 +70,21 @@ def _kill_at_random_moment(out: Path, model: Path, ref: Reference, phase: str, r
             "checkpoint write": lambda: rng.uniform(0.0, row.get("time/checkpoint", 0.0)),
             "checkpoint published": lambda: 0.0,
         }[phase]()
+
+        def over() -> bool:  # the step ended or the run exited: the kill comes now, too late for the phase
+            return run.seen(done) or run.proc.poll() is not None
+
         if phase == "checkpoint write":
             tmp = ckpts / f".tmp_step_{target:09d}"
-            while not tmp.exists() and not run.seen(done) and run.proc.poll() is None:
-                time.sleep(0.001)
+            wait_until(lambda: tmp.exists() or over(), 600, f"{tmp.name} to appear", interval_s=0.001)
         if phase == "checkpoint published":
-            while _step_of(latest(out)) < target and not run.seen(done) and run.proc.poll() is None:
-                time.sleep(0.0005)
+            wait_until(lambda: _step_of(latest(out)) >= target or over(), 600, f"latest to name step {target}",
+                       interval_s=0.0005)  # fmt: skip
+    # The random delay is the fault's timing (where in the phase the kill lands), not a wait for anything; it is
+    # cut short when the step ends first.
     deadline = time.monotonic() + delay
     while time.monotonic() < deadline and not run.seen(done) and run.proc.poll() is None:
-        time.sleep(0.001)
+        time.sleep(0.001)  # simulated work: the run goes on until the kill's moment
     writing = sorted(p.name for p in ckpts.glob(".tmp_step_*"))  # evidence of a checkpoint write in progress
     run.signal(signal.SIGKILL)
     code = run.wait()
@@ -125,7 +131,7 @@ def test_sigkill_at_random_moments_then_resume_is_exact(fault_model: Path, refer
 def _stop(run: Trainer, signum: int, after_step: int, ref: Reference) -> re.Match:
     """Signal the run in the middle of the rollout of step `after_step + 1`; it stops at the end of that step."""
     assert run.wait_for(rf"^step {after_step}/{STEPS}\b") is not None, run.output()[-3000:]
-    time.sleep(ref.rows[after_step]["time/rollout"] / 2)
+    time.sleep(ref.rows[after_step]["time/rollout"] / 2)  # simulated work: the signal's timing, mid-rollout
     run.signal(signum)
     code = run.wait()
     assert code == 128 + signum, (code, run.output()[-3000:])
@@ -174,9 +180,11 @@ def test_sigkill_during_background_save_then_resume_is_exact(fault_model: Path, 
             assert run.wait_for(rf"^step {target}/{STEPS}\b") is not None, run.output()[-3000:]
         else:
             assert run.wait_for(rf"^step {target - 1}/{STEPS}\b") is not None, run.output()[-3000:]
-            while not staging.exists() and run.proc.poll() is None:
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.0, reference.rows[target - 1].get("time/checkpoint", 0.0) + 0.5))
+            written = lambda: staging.exists() or run.proc.poll() is not None  # noqa: B023, E731 (called here)
+            wait_until(written, 600, f"{staging.name} to appear", interval_s=0.001)
+            # The kill's random moment within the write: the fault's timing, not a wait for anything.
+            pause = rng.uniform(0.0, reference.rows[target - 1].get("time/checkpoint", 0.0) + 0.5)
+            time.sleep(pause)  # simulated work: the write goes on until the kill's moment
         run.signal(signal.SIGKILL)
         assert run.wait() == -signal.SIGKILL, run.output()[-3000:]
         unpublished = staging.is_dir()  # the write of step `target` was under way: its staging folder not renamed

@@ -25,6 +25,7 @@ from megatron_rl.rollout.engine_process import ProcessEngine
 from megatron_rl.rollout.hf_weight_loading import WeightUpdateError
 from megatron_rl.rollout.local_engine import LocalEngine
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
+from tests.waiting import wait_until
 
 PROMPTS = [[10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33]]
 SEEDED = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
@@ -71,13 +72,23 @@ def assert_same_samples(got, expected, atol: float = 1e-6) -> None:
             np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
 
 
-def wait_for_tokens(engine: ProcessEngine, count: int, timeout_s: float = 60) -> int:
-    """Poll the child's token counter until it reaches `count`; returns the count seen."""
-    deadline = time.monotonic() + timeout_s
-    while (seen := engine.generated_tokens) < count:
-        assert time.monotonic() < deadline, f"only {seen} tokens generated"
-        time.sleep(0.005)
-    return seen
+def wait_for_tokens(engine: ProcessEngine, count: int, timeout_s: float = 60) -> None:
+    """Poll the child's token counter until it reaches `count`."""
+    wait_until(lambda: engine.generated_tokens >= count, timeout_s, f"{count} tokens generated", interval_s=0.005)
+
+
+def wait_for_steady_tokens(engine: ProcessEngine, steady_s: float, timeout_s: float = 60) -> int:
+    """The child's token count once it has not changed for `steady_s` (the decode step in flight at a pause has
+    ended: nothing in the engine announces it)."""
+    last = {"count": engine.generated_tokens, "since": time.monotonic()}
+
+    def steady() -> bool:
+        if (count := engine.generated_tokens) != last["count"]:
+            last.update(count=count, since=time.monotonic())
+        return time.monotonic() - last["since"] >= steady_s
+
+    wait_until(steady, timeout_s, f"the token count to stay put for {steady_s:g} s", interval_s=0.05)
+    return last["count"]
 
 
 def in_thread(fn) -> tuple[threading.Thread, list]:
@@ -153,9 +164,7 @@ def test_an_update_during_a_generate_lands_between_decode_steps(process_engine: 
     thread, out = in_thread(lambda: process_engine.generate(PROMPTS[:1], params))
     wait_for_tokens(process_engine, start + 5)
     process_engine.pause()
-    held = process_engine.generated_tokens
-    while (now := _after(0.3, lambda: process_engine.generated_tokens)) != held:  # the step in flight ends
-        held = now
+    held = wait_for_steady_tokens(process_engine, 0.3)  # the step in flight ends
     assert thread.is_alive()
     process_engine.update_weights([weights[:7], weights[7:]], version="v3")
     process_engine.resume()
@@ -249,10 +258,7 @@ def test_the_child_exits_when_its_parent_dies(tiny_dir: Path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == -signal.SIGKILL, run.stderr
     child = int(run.stdout.split()[-1])
-    deadline = time.monotonic() + 30
-    while _running(child):
-        assert time.monotonic() < deadline, f"the engine process {child} outlived its parent"
-        time.sleep(0.1)
+    wait_until(lambda: not _running(child), 30, f"the engine process {child} to end with its parent", interval_s=0.1)
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(process_engine: ProcessEngine, shm_before: set[str]):
@@ -270,11 +276,6 @@ def _catch(errors: list[Exception], fn, *args) -> None:
         fn(*args)
     except Exception as err:
         errors.append(err)
-
-
-def _after(seconds: float, fn):
-    time.sleep(seconds)
-    return fn()
 
 
 def _running(pid: int) -> bool:

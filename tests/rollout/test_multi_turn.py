@@ -56,7 +56,7 @@ class SleepTool:
     def __call__(self, arguments):
         if arguments["seconds"] < 0:
             raise RuntimeError("a bug in the tool")
-        time.sleep(arguments["seconds"])
+        time.sleep(arguments["seconds"])  # simulated work: the slow service
         return "awake"
 
 

@@ -213,7 +213,7 @@ def test_workers_follow_a_changed_import_path(tokenizer, tmp_path: Path, monkeyp
 def test_importing_the_rewards_module_is_not_timed(tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module that takes longer to import (torch, a checker) than one call may take: only the calls are timed."""
     (tmp_path / "slow_rewards.py").write_text(
-        "import time\ntime.sleep(2.0)  # stands for a heavy import\n\n"
+        "import time\ntime.sleep(2.0)  # simulated work: stands for a heavy import\n\n"
         "def one(sample, text, metadata):\n    return 1.0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

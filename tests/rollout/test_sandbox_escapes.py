@@ -127,7 +127,7 @@ attempt("dir_fd", dir_fd_write)
 attempt("import _socket (str subclass)", lambda: import_by("_socket").socket().connect(("127.0.0.1", PORT)))
 attempt("import _posixsubprocess", lambda: __import__("importlib").import_module("_posixsubprocess"))
 attempt("import _ctypes", lambda: __import__("importlib").import_module("_ctypes"))
-sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "MARKER"]
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "MARKER"]  # simulated work: a child to outlive us
 attempt("spawn", lambda: os.posix_spawn(sys.executable, sleeper, {}))
 attempt("fork", os.fork)
 attempt("exec bash", lambda: os.execv("/bin/bash", ["bash", "-c", "echo pwned > HOST_DIR/bash.txt"]))

@@ -29,6 +29,7 @@ from megatron_rl.rollout.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
 from megatron_rl.rollout.sync_probe import ProbeTolerance, compare_probe
 from megatron_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -167,18 +168,22 @@ def test_throughput(engine: SGLangEngine):
     assert all(s.finish_reason in ("stop", "length") for s in samples)
 
 
-def _wait_until_held(servers: SGLangServers) -> dict:
-    """Poll SGLang's `/v1/loads` until the server holds a request (running or waiting) and return its load; the
-    deadline only bounds a failure."""
-    deadline = time.monotonic() + 60
-    while True:
-        (load,) = request_json(servers.urls[0], "/v1/loads?include=core", timeout_s=10, api_key=servers.api_key)[
-            "loads"
-        ]
-        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
-            return load
-        assert time.monotonic() < deadline, f"the server never held a request: {load}"
-        time.sleep(0.05)
+def _held_requests(servers: SGLangServers) -> int:
+    """The requests SGLang's scheduler holds (running or waiting), from `/v1/loads`."""
+    (load,) = request_json(servers.urls[0], "/v1/loads?include=core", timeout_s=10, api_key=servers.api_key)["loads"]
+    return load["num_running_reqs"] + load["num_waiting_reqs"]
+
+
+def _wait_until_held(servers: SGLangServers) -> None:
+    """Poll SGLang's `/v1/loads` until the server holds a request; the deadline only bounds a failure."""
+    wait_until(lambda: _held_requests(servers) > 0, 60, "the server to hold a request", interval_s=0.05)
+
+
+def _log_requests(servers: SGLangServers, on: bool) -> None:
+    """Switch SGLang's request log on or off (`/configure_logging`): it logs "Receive: obj=..." for each request
+    as it arrives, before the pause gate."""
+    body = {"log_requests": on, "log_requests_level": 0}
+    request_json(servers.urls[0], "/configure_logging", body, timeout_s=10, api_key=servers.api_key)
 
 
 def test_abort_and_pause(servers: SGLangServers, engine: SGLangEngine):
@@ -197,15 +202,20 @@ def test_abort_and_pause(servers: SGLangServers, engine: SGLangEngine):
     assert len(result) == 12
     assert any(s.finish_reason == "abort" for s in result), [s.finish_reason for s in result]
     # pause (retract) holds requests; resume lets them finish normally
+    (log,) = Path(servers.config.log_dir).glob("sglang_0_*.log")
     engine.pause()
     try:
+        _log_requests(servers, True)
+        received = log.read_text(errors="replace").count("Receive: obj=")
         worker = threading.Thread(target=lambda: result.extend(engine.generate([[1, 7]], SamplingParams(8, 0.0))))
         worker.start()
-        # A request that arrives during a pause waits in SGLang's tokenizer manager, which /v1/loads does not
-        # count: nothing signals "held", so this negative check can only give it time.
-        time.sleep(1.0)
-        assert worker.is_alive()
+        # A request that arrives during a pause waits at the pause gate of SGLang's tokenizer manager, just after
+        # its receipt is logged: it is there once the log shows it, not answered and not in the scheduler.
+        wait_until(lambda: log.read_text(errors="replace").count("Receive: obj=") > received, 60,
+                   "the server to log the receipt of the request sent during the pause", interval_s=0.05)  # fmt: skip
+        assert _held_requests(servers) == 0 and worker.is_alive()
     finally:
+        _log_requests(servers, False)
         engine.resume()
     worker.join(60)
     assert result[-1].finish_reason in ("stop", "length")

@@ -18,6 +18,7 @@ from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
 from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.sglang
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
@@ -208,9 +209,9 @@ def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, m
 def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir: Path, tmp_path: Path) -> None:
     """The trainer launches its own server; it is SIGKILLed after step 1. The run restarts it, re-sends the
     current weights, retries the rollout and finishes every step."""
+    import contextlib
     import os
     import signal
-    import time
 
     from sglang_cpu_support import cpu_python_wrapper
 
@@ -227,13 +228,16 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
         "logging.wandb=false", "logging.plot=false",
     ]  # fmt: skip
     metrics = out / "metrics.jsonl"
+
+    def logged() -> bool:
+        return metrics.exists() and bool(metrics.read_text().strip())
+
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        deadline = time.monotonic() + 600
-        while not (metrics.exists() and metrics.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the run ended or stalled before step 1:\n{proc.communicate()[0][-6000:]}")
-            time.sleep(0.5)
+        with contextlib.suppress(AssertionError):  # a stall fails just below, with the run's output
+            wait_until(lambda: logged() or proc.poll() is not None, 600, "step 1", interval_s=0.5)
+        if not logged():
+            proc.kill()
+            pytest.fail(f"the run ended or stalled before step 1:\n{proc.communicate()[0][-6000:]}")
         pids = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"], capture_output=True, text=True)
         pid = int(pids.stdout.split()[0])
         os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its scheduler processes

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -85,17 +86,20 @@ def test_cancelled_job_resumes_from_its_checkpoint_when_resubmitted(cluster: str
     run = tmp_path / "run"
     first, _ = _submit(run, model, 8, wait=False)
     deadline = time.monotonic() + 600
-    while not (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file():
-        assert time.monotonic() < deadline and not _job_gone(first), "no checkpoint before the job ended"
-        time.sleep(0.5)
+
+    def checkpointed() -> bool:
+        if (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file():
+            return True
+        assert not _job_gone(first), "no checkpoint before the job ended"
+        return False
+
+    wait_until(checkpointed, deadline - time.monotonic(), "the step-2 checkpoint", interval_s=0.5)
     subprocess.run(["scancel", str(first)], check=True)
-    while not _job_gone(first):
-        assert time.monotonic() < deadline, "scancel did not stop the job"
-        time.sleep(0.5)
-    stopping = time.monotonic() + 30  # the job step is SIGKILLed KillWait=10 s after scancel (local_cluster.sh)
-    while leftover := subprocess.run(["pgrep", "-f", f"trainer.output_dir={run}"], capture_output=True).stdout:
-        assert time.monotonic() < stopping, f"processes of the cancelled job are still running: {leftover!r}"
-        time.sleep(0.5)
+    wait_until(lambda: _job_gone(first), deadline - time.monotonic(), "scancel to stop the job", interval_s=0.5)
+    # The job step is SIGKILLed KillWait=10 s after scancel (local_cluster.sh).
+    pgrep = ["pgrep", "-f", f"trainer.output_dir={run}"]
+    wait_until(lambda: not subprocess.run(pgrep, capture_output=True).stdout, 30,
+               f"the processes of the cancelled job to end ({' '.join(pgrep)})", interval_s=0.5)  # fmt: skip
     done_before = max(_steps(run))
     assert done_before < 8, "the job finished before it was cancelled: nothing to resume"
 

@@ -8,10 +8,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from tests.shared_runs import TRAIN, WarmedModel
+from tests.waiting import wait_until
 
 COMMON = (
     "warmup.sft_steps=0", "data.eval=synthetic", "data.eval_every=2", "data.eval_prompts=32", "trainer.save_every=0",
@@ -85,13 +85,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         assert proc.poll() is None, "the run ended before it could be interrupted"
-        if (out / "metrics.jsonl").is_file() and any(r["step"] >= step for r in _rows(out)):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached")
+        return (out / "metrics.jsonl").is_file() and any(r["step"] >= step for r in _rows(out))
+
+    wait_until(reached, 600, f"step {step}", interval_s=0.05)
 
 
 def test_sigkill_and_resume_continue_exactly(warmed_demo: WarmedModel, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ the gate puts updates between requests, staleness is measured and bounded."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from megatron_rl.rollout.partial_rollout import merge_continuation, version_span
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from megatron_rl.trainer.async_rollout import EngineGate, GatedEngine, ProducedBatch, staleness_metrics
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_partial_rollout_keeps_each_tokens_version_and_log_prob(models: tuple[Pa
         target=lambda: out.append(gated.generate(prompts, params, n=2, return_routed_experts=True))
     )
     producer.start()
-    while engine.generated_tokens < 4 * 20:  # interrupt once every row has ~20 tokens
-        time.sleep(0.002)
+    # Interrupt once every row has ~20 tokens.
+    wait_until(lambda: engine.generated_tokens >= 4 * 20, 120, "~20 tokens per row", interval_s=0.002)
     with gate.exclusive(interrupt=True):
         engine.update_weights([_weights(v1)], "step-1")
     producer.join(timeout=120)
@@ -94,8 +94,7 @@ def test_an_update_without_partial_waits_for_the_request_in_flight(models: tuple
         target=lambda: out.append(GatedEngine(gate, partial=False).generate([[10, 11]], SamplingParams(80, seed=1)))
     )
     producer.start()
-    while engine.generated_tokens < 10:
-        time.sleep(0.002)
+    wait_until(lambda: engine.generated_tokens >= 10, 60, "the request's first 10 tokens", interval_s=0.002)
     with gate.exclusive(interrupt=False):
         engine.update_weights([_weights(v1)], "step-1")
     producer.join(timeout=60)

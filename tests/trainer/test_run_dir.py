@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -169,18 +169,21 @@ def test_pruning_keeps_another_runs_checkpoints(model_dir: Path, run_copy: Path)
     assert _steps(run_copy) == [1, 2, 3, 4]
 
 
-def _interrupt(args: list[str], signals: list[signal.Signals], gap_s: float = 0.0) -> tuple[int, str]:
-    """Start training in its own process group, send `signals` to the group (as a terminal's Ctrl-C does) once
-    the first step is logged; the exit code and the whole output."""
+def _interrupt(args: list[str], signals: list[signal.Signals]) -> tuple[int, str]:
+    """Start training in its own process group, send `signals` to the group (as a terminal's Ctrl-C does): the
+    first once the first step is logged, each next one once the trainer said it got the previous one (its
+    "SIGTERM: stopping at the end of this step ..." line); the exit code and the whole output."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines = []
+    lines, pending, cue = [], list(signals), re.compile(r"^step 1/")
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 1/"):
-            for sig in signals:
-                os.killpg(proc.pid, sig)
-                time.sleep(gap_s)
-    return proc.wait(timeout=600), "".join(lines)
+        if pending and cue.search(line):
+            sig = pending.pop(0)
+            os.killpg(proc.pid, sig)
+            cue = re.compile(rf"{sig.name}: stopping at the end of this step")
+    code, output = proc.wait(timeout=600), "".join(lines)
+    assert not pending, f"{[s.name for s in pending]} not sent: no {cue.pattern!r} in the output\n{output[-3000:]}"
+    return code, output
 
 
 def test_ctrl_c_stops_at_a_step_boundary_and_resume_logs_every_step_once(model_dir: Path, tmp_path: Path) -> None:
@@ -206,7 +209,7 @@ def test_second_signal_aborts_at_once(model_dir: Path, tmp_path: Path) -> None:
     """Two SIGTERMs: the second does not wait for the step boundary (it waits for a checkpoint write only).
     One line, no traceback, exit code 143; what is on disk still resumes."""
     out, steps = tmp_path / "run", ("trainer.steps=12", "trainer.save_every=0", "trainer.keep_last=0")
-    code, output = _interrupt(_args(out, model_dir, *steps), [signal.SIGTERM, signal.SIGTERM], gap_s=0.02)
+    code, output = _interrupt(_args(out, model_dir, *steps), [signal.SIGTERM, signal.SIGTERM])
     assert code == 143, output[-3000:]
     assert "Traceback" not in output
     assert output.strip().splitlines()[-1].startswith("interrupted ")
