@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         ("megatron-rl", __version__),
         ("python", py_platform.python_version()),
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
-        ("GPUs", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none (CPU)"),
+        ("GPUs", ", ".join(platform.accelerator_names()) or "none (CPU)"),
         ("megatron-core", _version("megatron-core")),
     ]
     try:

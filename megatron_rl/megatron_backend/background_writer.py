@@ -37,6 +37,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.utils import _get_failure_dict, _wrap_exception
 
+from megatron_rl.megatron_backend import platform
+
 
 class HostSnapshot:
     """The data of a sharded state dict, copied now into host buffers that the next snapshot reuses.
@@ -50,7 +52,7 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
-        self._copied: torch.cuda.Event | None = None
+        self._copied: platform.CopyDone | None = None
 
     def take(self, state: dict) -> dict:
         """Snapshot `state` in place (and return it); device copies are queued on the current stream."""
@@ -64,7 +66,7 @@ class HostSnapshot:
                 self._buffers.append(torch.empty(0))
             buffer = self._buffers[position]
             if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                buffer = platform.empty_host(tensor.shape, tensor.dtype, pinned=tensor.is_cuda)
                 self._buffers[position] = buffer
             buffer.copy_(tensor, non_blocking=tensor.is_cuda)
             on_device |= tensor.is_cuda
@@ -88,14 +90,13 @@ class HostSnapshot:
         del self._buffers[position:]
         self._copied = None
         if on_device:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = platform.CopyDone()
         return state
 
     def wait_copied(self) -> None:
         """Block until the snapshot's device-to-host copies have landed (at once on a CPU-only state)."""
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied.wait()
 
 
 class PlanKeepingStrategy(TorchDistSaveShardedStrategy):
@@ -124,7 +125,7 @@ class WriterThread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         # The thread works on this rank's GPU, if any (a new thread starts on device 0: its CUDA calls, the wait for
         # the snapshot's copies included, must not create a context on another rank's device).
-        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._device = platform.current_accelerator_index()
         self._thread = threading.Thread(target=self._serve, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -149,7 +150,7 @@ class WriterThread:
 
     def _serve(self) -> None:
         if self._device is not None:
-            torch.cuda.set_device(self._device)
+            platform.set_current_accelerator(self._device)
         while (job := self._jobs.get()) is not None:
             job()
 

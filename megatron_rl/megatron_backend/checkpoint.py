@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import errno
 import functools
-import inspect
 import os
 import resource
 import shutil
@@ -58,6 +57,7 @@ from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_co
 from megatron_rl.megatron_backend.checkpoint_format import resolve_checkpoint_dir as resolve_checkpoint_dir
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.models.architecture import check_same_architecture
+from megatron_rl.megatron_backend.platform import mcore_compat
 from megatron_rl.megatron_backend.rng_state_file import read_rng_state
 
 
@@ -83,8 +83,9 @@ def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if platform.device().type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state()
+    accelerator = platform.accelerator_rng_state()
+    if accelerator is not None:
+        state["cuda"] = accelerator
     return state
 
 
@@ -93,8 +94,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
     torch.set_rng_state(state["cpu"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and platform.device().type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"])
+    platform.set_accelerator_rng_state(state.get("cuda"))
 
 
 def _inner_optimizers(actor: MegatronActor) -> list:
@@ -386,7 +386,7 @@ def _background_save_options(save: Any, background: BackgroundSaves) -> dict[str
         "validate_access_integrity": background.saves == 0,
     }
     background.saves += 1
-    if "async_strategy" in inspect.signature(save).parameters:
+    if mcore_compat.save_takes_async_strategy(save):
         options["async_strategy"] = "mcore"
     return options
 

@@ -60,7 +60,7 @@ def reference_from_hf(actor: MegatronActor, model_dir: str | Path) -> ReferenceW
 
 
 def _host_copy(param: torch.Tensor, pin: bool) -> torch.Tensor:
-    copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
+    copy = platform.empty_host(param.shape, param.dtype, pinned=pin)
     copy.copy_(param.detach(), non_blocking=False)
     return copy
 
@@ -70,5 +70,4 @@ def _copy_into(modules: list[torch.nn.Module], states: list[dict[str, torch.Tens
     for module, state in zip(modules, states, strict=True):
         for name, param in module.named_parameters():
             param.copy_(state[name], non_blocking=True)
-    if platform.device().type == "cuda":
-        torch.cuda.synchronize()
+    platform.synchronize()

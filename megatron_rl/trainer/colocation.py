@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from megatron_rl.megatron_backend import platform
 from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.rollout.engine_memory import CACHE_TAGS, MEMORY_TAGS
@@ -90,6 +88,6 @@ class ColocatedMemory:
 
     def _sample_device(self, key: str) -> None:
         """This rank's allocated accelerator memory now (GPU only: on CPU the engine and actor share RAM)."""
-        device = platform.device()
-        if device.type == "cuda":
-            self._metrics[key] = torch.cuda.memory_allocated(device) / 2**30
+        allocated = platform.memory_allocated(platform.device())
+        if allocated is not None:
+            self._metrics[key] = allocated / 2**30

@@ -12,12 +12,13 @@ import torch
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.megatron_backend.platform import mcore_compat
 
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
 
 def test_version_guard_rejects_untested_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.17.0")
+    monkeypatch.setattr(mcore_compat, "installed_megatron_version", lambda: "0.17.0")
     with pytest.raises(RuntimeError) as err:
         platform.check_megatron_version()
     message = str(err.value)
@@ -32,7 +33,7 @@ def test_version_guard_refuses_untested_release_only_where_bridges_apply(monkeyp
     # On CUDA nothing is patched: the untested release is named in a warning and accepted.
     with pytest.warns(UserWarning, match=r"megatron-core 0\.17\.0 is untested .*tested: 0\.16\.x, 0\.19\.x"):
         assert platform.check_megatron_version("0.17.0", device_type="cuda") == "0.17.0"
-    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.20.0")
+    monkeypatch.setattr(mcore_compat, "installed_megatron_version", lambda: "0.20.0")
     with pytest.warns(UserWarning, match="0.20.0"):
         assert platform.prepare_megatron_import(device_type="cuda") == "0.20.0"
     with pytest.raises(RuntimeError, match="0.20.0"):
@@ -51,7 +52,7 @@ def test_version_guard_is_silent_for_supported_releases(device_type: str) -> Non
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
 def test_version_guard_accepts_supported_releases(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
-    monkeypatch.setattr(platform, "installed_megatron_version", lambda: version)
+    monkeypatch.setattr(mcore_compat, "installed_megatron_version", lambda: version)
     assert platform.check_megatron_version() == version
 
 
@@ -59,7 +60,7 @@ def test_paged_stash_stub_for_019_without_triton(monkeypatch: pytest.MonkeyPatch
     if PAGED_STASH in sys.modules:
         pytest.skip("the real paged_stash ops module is already imported")
     real_find_spec = platform.importlib.util.find_spec
-    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.19.2")
+    monkeypatch.setattr(mcore_compat, "installed_megatron_version", lambda: "0.19.2")
     monkeypatch.setattr(
         platform.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
     )
@@ -77,7 +78,7 @@ def test_paged_stash_stub_for_019_without_triton(monkeypatch: pytest.MonkeyPatch
 def test_no_stub_for_016(monkeypatch: pytest.MonkeyPatch) -> None:
     if PAGED_STASH in sys.modules:
         pytest.skip("the real paged_stash ops module is already imported")
-    monkeypatch.setattr(platform, "installed_megatron_version", lambda: "0.16.1")
+    monkeypatch.setattr(mcore_compat, "installed_megatron_version", lambda: "0.16.1")
     platform.prepare_megatron_import()
     assert PAGED_STASH not in sys.modules
 

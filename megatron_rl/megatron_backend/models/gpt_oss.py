@@ -46,6 +46,7 @@ from megatron_rl.megatron_backend.models.family import (
 )
 from megatron_rl.megatron_backend.models.mapping import Mapping, QKVMapping
 from megatron_rl.megatron_backend.models.moe_decoder import decoder_transformer_config
+from megatron_rl.megatron_backend.platform.mcore_compat import spec_submodules, spec_with_submodules
 
 REQUIRED_KEYS = (
     "vocab_size",
@@ -286,28 +287,14 @@ def local_spec_modules() -> tuple[type, type]:
     return SinkDotProductAttention, ExpertFc2
 
 
-def _submodules(spec: Any) -> Any:
-    """A module spec's submodules: a `ModuleSpec`'s field, or (megatron-core 0.19's MoE specs) the `submodules`
-    keyword of a `functools.partial`."""
-    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
-
-
-def _with_submodules(spec: Any, **changes: Any) -> Any:
-    """A copy of `spec` with fields of its submodules replaced (specs are shared between layers: never edited)."""
-    submodules = dataclasses.replace(_submodules(spec), **changes)
-    if isinstance(spec, functools.partial):
-        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
-    return dataclasses.replace(spec, submodules=submodules)
-
-
 def _local_layer(spec: Any, core_attention: type, expert_fc2: type) -> Any:
     """A local-spec layer spec with GPT-OSS's core attention and expert fc2."""
-    layer = _submodules(spec)
-    experts = _with_submodules(_submodules(layer.mlp).experts, linear_fc2=expert_fc2)
-    return _with_submodules(
+    layer = spec_submodules(spec)
+    experts = spec_with_submodules(spec_submodules(layer.mlp).experts, linear_fc2=expert_fc2)
+    return spec_with_submodules(
         spec,
-        self_attention=_with_submodules(layer.self_attention, core_attention=core_attention),
-        mlp=_with_submodules(layer.mlp, experts=experts),
+        self_attention=spec_with_submodules(layer.self_attention, core_attention=core_attention),
+        mlp=spec_with_submodules(layer.mlp, experts=experts),
     )
 
 

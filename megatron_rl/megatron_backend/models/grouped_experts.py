@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.megatron_backend import platform
+
 
 def grouped_unsupported_reason(config: Any) -> str | None:
     """Why the grouped experts cannot compute what `SequentialMLP` computes for this `TransformerConfig`, or
@@ -192,7 +194,7 @@ def _grouped_mm_runs(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     most `CPU_STACK_MAX_BYTES`."""
     device = x.device
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (8, 0):
+        if platform.device_capability(device) < (8, 0):
             return False
     elif device.type != "cpu":
         return False

@@ -38,6 +38,7 @@ from typing import Any
 
 from megatron_rl.megatron_backend.models.family import HFConfig, ModelDims, UnsupportedModelError
 from megatron_rl.megatron_backend.models.mapping import Mapping
+from megatron_rl.megatron_backend.platform.mcore_compat import mla_resolves_norms_by_backend
 
 # transformers builds the latent norms as `DeepseekV3RMSNorm(q_lora_rank)` / `(kv_lora_rank)`: its default eps,
 # whatever rms_norm_eps says (Moonlight: 1e-5); Megatron gives them config.layernorm_epsilon.
@@ -165,7 +166,7 @@ def mla_layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
-    if use_te and config.q_lora_rank is None and _resolves_norms_by_backend():
+    if use_te and config.q_lora_rank is None and mla_resolves_norms_by_backend():
         raise UnsupportedModelError(
             "q_lora_rank=None with the Transformer Engine spec on megatron-core 0.19: its MLA puts a fused RMSNorm "
             "before linear_q_proj that the HF model does not have; use model.options.layer_spec=local"
@@ -202,13 +203,6 @@ def _latent_norm(norm: Any) -> type:
             return norm(*args, eps=LATENT_NORM_EPS, **kwargs)
 
     return _LatentRMSNorm
-
-
-def _resolves_norms_by_backend() -> bool:
-    """megatron-core 0.19.x: `MLASelfAttention` chooses its Q/KV norm modules through the backend."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    return hasattr(MLASelfAttention, "_resolve_qk_norm_config")
 
 
 def _rebound(function: Any, **names: Any) -> types.FunctionType:
