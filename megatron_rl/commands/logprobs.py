@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.megatron_backend.checkpoint import load_checkpoint
     from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_config, resolve_checkpoint_dir
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.hf_weights import read_hf_config
     from megatron_rl.megatron_backend.models.architecture import model_dims
     from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.hf_config import read_hf_config
 
     hf = read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
     dims = model_dims(hf)

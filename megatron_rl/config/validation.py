@@ -8,10 +8,8 @@ the trainer calls once it knows the world size and the model.
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
@@ -19,19 +17,11 @@ from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.kernels import packed_gspo_applies
 from megatron_rl.megatron_backend.models.architecture import is_moe
+from megatron_rl.models.hf_config import read_hf_config_if_present
 
 # Engines that can return the experts each token was routed to (needed by R3).
 ENGINES_WITH_ROUTED_EXPERTS = ("local", "sglang")
 _REWARD = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)?$")
-
-
-def read_model_config(hf_path: str) -> dict[str, Any] | None:
-    """The HF ``config.json`` of ``hf_path`` if it exists yet (None for a model still to be built)."""
-    path = Path(hf_path) / "config.json"
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return None
 
 
 def validate(cfg: RLConfig) -> list[str]:
@@ -183,7 +173,7 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
 
 def _check_routing_replay(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
     mode, engine = cfg.algo.routing_replay, cfg.rollout.engine
-    hf = read_model_config(cfg.model.hf_path)
+    hf = read_hf_config_if_present(cfg.model.hf_path)
     moe = hf is not None and is_moe(hf)
     if mode == "off":
         if moe and cfg.algo.loss == "ppo":

@@ -53,6 +53,7 @@ from megatron_rl.megatron_backend.update_metrics import (
     nonfinite_problem,
     reduce_metric_sums,
 )
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.routing.agreement import RouteAgreement
 from megatron_rl.routing.replay import FULL_CHECKS, ReplayChecks
 
@@ -108,15 +109,19 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ weights
     @classmethod
-    def from_hf(cls, model_dir: str | Path, layout: ParallelLayout, **kwargs: Any) -> MegatronActor:
-        hf = hf_weights.read_hf_config(model_dir)
+    def from_hf(
+        cls, model_dir: str | Path, layout: ParallelLayout, *, hf: HFConfig | None = None, **kwargs: Any
+    ) -> MegatronActor:
+        """The actor of the model in `model_dir`, its weights loaded; `hf`: its config.json when already read."""
+        hf = hf if hf is not None else read_hf_config(model_dir)
         actor = cls(hf, layout, **kwargs)
-        actor.load_hf(model_dir)
+        actor.load_hf(model_dir, hf=hf)
         return actor
 
-    def load_hf(self, model_dir: str | Path) -> None:
+    def load_hf(self, model_dir: str | Path, *, hf: HFConfig | None = None) -> None:
+        """Load `model_dir`'s weights (its config.json, `hf` when already read, must be this actor's)."""
         self._check_resident("load_hf")
-        hf = hf_weights.read_hf_config(model_dir)
+        hf = hf if hf is not None else read_hf_config(model_dir)
         check_same_architecture(self.hf_config, hf, model_dir)
         hf_weights.load_hf_weights(self.modules, model_dir, self.family, self.hf_config)
         if self.optimizer is not None:

@@ -47,7 +47,6 @@ from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_
 from megatron_rl.megatron_backend.hf_weights import (
     SafetensorsIndex,
     WeightMismatchError,
-    read_hf_config,
     unused_checkpoint_tensors,
 )
 from megatron_rl.megatron_backend.models import get_family
@@ -55,6 +54,7 @@ from megatron_rl.megatron_backend.models.architecture import check_same_architec
 from megatron_rl.megatron_backend.models.family import HFConfig
 from megatron_rl.megatron_backend.models.mapping import WeightMap, WeightRule, canonical_name
 from megatron_rl.megatron_backend.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.net import free_port
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

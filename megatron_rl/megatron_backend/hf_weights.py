@@ -9,7 +9,6 @@ holds the parameter broadcasts it, and HF-named full tensors are yielded in buck
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Iterator
@@ -27,19 +26,6 @@ from megatron_rl.megatron_backend.safetensors_files import safetensors_weight_ma
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-def read_hf_config(model_dir: str | Path, *, role: str = "the model directory") -> HFConfig:
-    """`model_dir`/config.json; the error names `role` (the argument or config key that gave the directory)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: {role} must be a Hugging Face model directory (config.json + *.safetensors)"
-        )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): re-download it") from None
 
 
 @dataclass

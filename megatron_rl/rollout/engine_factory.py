@@ -92,11 +92,10 @@ SGLANG_GPT_OSS_ALPHA = 1.702
 
 def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
     """A `ValueError` for a model SGLang would serve with other layers than the trainer trains."""
-    import json
-
     from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.models.hf_config import read_hf_config
 
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    hf = read_hf_config(model_dir, role="model.hf_path")
     dims = model_dims(hf)
     dense = [i for i, moe in enumerate(dims.moe_layer_pattern) if not moe]
     alpha = float(hf.get("swiglu_alpha", SGLANG_GPT_OSS_ALPHA))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from megatron_rl.megatron_backend.models.architecture import ModelDims, model_dims
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams, ServedScores
 from megatron_rl.rollout.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
@@ -342,7 +342,7 @@ class SGLangEngine:
                 f"cannot read {config_path} to learn the routed-experts layout; pass routed_experts_shape= "
                 "and num_experts= to SGLangEngine"
             )
-        return model_dims(json.loads(config_path.read_text()))
+        return model_dims(read_hf_config(config_path.parent, role="the served model's model_path"))
 
     def _read_version(self) -> str:
         try:

@@ -22,8 +22,8 @@ from megatron_rl.megatron_backend import checkpoint as checkpoints
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.checkpoint_format import is_complete, latest_checkpoint
 from megatron_rl.megatron_backend.distributed import shutdown
-from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine_factory import build_engine
 from megatron_rl.rollout.weight_version import weight_version

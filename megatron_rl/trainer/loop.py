@@ -31,10 +31,10 @@ from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, init_distributed, shutdown
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
-from megatron_rl.megatron_backend.hf_weights import read_hf_config
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
 from megatron_rl.megatron_backend.models.family import ModelDims
 from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_factory import build_engine

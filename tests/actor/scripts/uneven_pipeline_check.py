@@ -25,10 +25,10 @@ def main() -> None:
     from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.batch import TokenBatch
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.hf_weights import read_hf_config
     from megatron_rl.megatron_backend.models.architecture import model_dims
     from megatron_rl.megatron_backend.options import ModelOptions
     from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.hf_config import read_hf_config
 
     dims = model_dims(read_hf_config(args.model))
     layout = ParallelLayout(pp=args.pp, pp_first_stage_layers=args.first, pp_last_stage_layers=args.last)
