@@ -2,7 +2,7 @@
 
 Pins follow the platform the CI runs on (Python 3.11, CPU torch 2.13.0, megatron-core 0.16.1).
 GPU clusters run megatron-core 0.19.x on Python 3.12; the code accepts both (see
-megatron_rl/megatron_backend/platform.py).
+megatron_rl/megatron_backend/platform/mcore_compat.py).
 """
 
 from pathlib import Path

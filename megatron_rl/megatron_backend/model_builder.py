@@ -2,7 +2,7 @@
 
 The Transformer Engine layer spec is used when TE imports and the platform is CUDA; the local
 (pure Megatron-Core) spec otherwise. Everything that differs between the two lives here and in
-`platform.py`.
+the `platform` package.
 """
 
 from __future__ import annotations
