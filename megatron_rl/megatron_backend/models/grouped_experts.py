@@ -155,8 +155,8 @@ def _grouped_linear(
     each, no per-expert Python (on CUDA the CUTLASS/cuBLASLt grouped kernels where torch has them, else torch's
     loop of `mm_out` in C++; on CPU that loop). The loop of plain matmuls remains where the grouped GEMM cannot run
     (`_grouped_mm_runs`) or, on CPU, where stacking the weights every call costs more than it saves
-    (`CPU_STACK_MAX_BYTES`). Both compute each group with the matmul `SequentialMLP`'s linear layers use,
-    bitwise. `gemm` forces one ("grouped_mm", "loop") for the benchmark."""
+    (`CPU_EXPERT_MAX_BYTES`, `CPU_STACK_MAX_BYTES`). Both compute each group with the matmul `SequentialMLP`'s
+    linear layers use, bitwise. `gemm` forces one ("grouped_mm", "loop") for the benchmark."""
     if gemm == "grouped_mm" or (gemm == "auto" and _grouped_mm_runs(x, weights)):
         return _GroupedLinear.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), *weights)
     groups = x.split(counts.tolist())
@@ -190,8 +190,8 @@ class _GroupedLinear(torch.autograd.Function):
 def _grouped_mm_runs(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """Whether `_grouped_linear` takes the grouped GEMM: a device torch's grouped GEMM supports (CPU; CUDA from
     compute capability 8.0, as transformers checks), the 16-byte alignment it requires of the rows of `x`, of the
-    weights and of the output (and of the output's gradient in the backward), and on CPU the stacked weights at
-    most `CPU_STACK_MAX_BYTES`."""
+    weights and of the output (and of the output's gradient in the backward), and on CPU each expert's weight at
+    most `CPU_EXPERT_MAX_BYTES` and the stacked weights at most `CPU_STACK_MAX_BYTES`."""
     device = x.device
     if device.type == "cuda":
         if platform.device_capability(device) < (8, 0):
