@@ -42,7 +42,7 @@ def test_a_sync_whose_server_computes_with_a_perturbed_expert_stops_the_run(sgla
              "rollout.n_samples=2", "data.eval=null", "data.eval_every=0", "trainer.save_every=0",
              "logging.wandb=false", "logging.plot=false"],
             capture_output=True, text=True, timeout=1200,
-            env={**os.environ, "PERTURB_AT": "step-2", "PERTURBED": str(perturbed)},
+            env={**os.environ, "PERTURB_AT": "step-2", "PERTURBED": str(perturbed), "PYTHONPATH": str(REPO)},
         )  # fmt: skip
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-4000:]
     record = json.loads(perturbed.read_text())
