@@ -41,7 +41,8 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
     command = resume_command or run_dir.resume_command(cfg, None).replace("megatron-rl train ", "megatron-rl sft ", 1)
     with StopSignals(command) as stop:
         model_dir = prepare_model_dir(cfg)
-        dims = model_dims(read_hf_config(model_dir))
+        hf = read_hf_config(model_dir)
+        dims = model_dims(hf)
         init_process_groups(cfg, dims)
         rank0 = stop.announce = dist.get_rank() == 0
         try:
@@ -53,7 +54,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
             dist.barrier()
             tokenizer = load_tokenizer(cfg, dims.vocab_size)
             source = open_sft_source(cfg, tokenizer)
-            check_warmup_data(source, max_positions(read_hf_config(model_dir)))
+            check_warmup_data(source, max_positions(hf))
             actor = build_actor(cfg, model_dir)
             state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
             if plan.resume_from is not None:
