@@ -32,7 +32,6 @@ from megatron_rl.megatron_backend.micro_batches import (
     model_inputs,
     plan_micro_batches,
     positions_below,
-    rows_of_this_rank,
     schedule_shape,
     stack_rows,
 )
@@ -138,11 +137,6 @@ class MegatronActor:
     def modules(self) -> list[nn.Module]:
         """The bare GPT models (unwrapped from DDP / Float16Module)."""
         return [hf_weights.unwrap_model(c) for c in self.chunks]
-
-    def rows_fed(self, lengths: list[int]) -> list[int]:
-        """The rows of a batch whose sequences have `lengths` this rank feeds in `compute_log_probs` and
-        `train_step`."""
-        return rows_of_this_rank(lengths, self.balance_quadratic)
 
     # ------------------------------------------------------------------ optimizer state
     def reset_optimizer_state(self) -> None:
@@ -271,7 +265,8 @@ class MegatronActor:
         temperature: float = 1.0,
     ) -> ScoreResult:
         """Per-token log-probs (and entropy; recorded routes or the replay agreement, per `route_mode`) for
-        the whole batch, identical on every rank."""
+        the whole batch, identical on every rank; for a batch with `dp_share` set (this rank's rows only), for
+        those rows, on this rank and its model-parallel peers (nothing is gathered over data-parallel ranks)."""
         self._check_resident("compute_log_probs")
         self._set_training(False)
         plan = self._plan(batch)
@@ -296,7 +291,10 @@ class MegatronActor:
         valid = positions_below(shard.lengths, s)
         logp = torch.where(valid, logp, 0.0)
         ent = None if ent is None else torch.where(valid, ent, 0.0)
-        rows = gather_rows({"log_probs": logp, "entropy": ent, "routes": routes}, index, batch.size, self._groups["dp"])
+        rows = gather_rows(
+            {"log_probs": logp, "entropy": ent, "routes": routes}, index, batch.size, self._groups["dp"],
+            gather=batch.dp_share is None,
+        )  # fmt: skip
         return ScoreResult(**rows, agreement=agreement)
 
     def train_step(

@@ -11,6 +11,14 @@ from megatron_rl.megatron_backend.packing import Packing
 from megatron_rl.routing.cache import padding_routes
 
 
+@dataclass(frozen=True)
+class DPShare:
+    """Marks a batch that holds only this data-parallel rank's rows of a mini-batch, in the order the rank feeds
+    them (`trainer.step_plan`), instead of the whole mini-batch: the actor scores and trains them as they are."""
+
+    imbalance: float = 1.0  # the mini-batch's max / mean tokens per data-parallel rank
+
+
 @dataclass
 class TokenBatch:
     """Right-padded sequences (prompt + response) and per-token fields aligned with `input_ids`.
@@ -28,6 +36,7 @@ class TokenBatch:
     routes: torch.Tensor | None = None
     padding_rows: int = 0  # trailing dummy rows added to give every micro-batch the same shape
     packing: Packing | None = None  # set on a micro-batch the model sees packed (its rows end to end in one row)
+    dp_share: DPShare | None = None  # set when the batch is only this data-parallel rank's rows of a mini-batch
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape

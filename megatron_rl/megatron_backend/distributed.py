@@ -79,3 +79,48 @@ def broadcast_object(obj: Any) -> Any:
     if torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def scatter_by_data_parallel_rank(per_rank: list[bytes] | None) -> bytes:
+    """Rank 0's `per_rank[r]` on every rank of data-parallel rank r: each model-parallel group of ranks gets only
+    its own part, not every part (rank 0 -> the first rank of each data-parallel rank's group over its
+    data-parallel group, then within the context-parallel group, then within the tensor-and-pipeline group)."""
+    from megatron.core import parallel_state as ps
+
+    dist = torch.distributed
+    mine: list[Any] = [per_rank[0] if per_rank is not None else None]
+    if dist.get_world_size() == 1:
+        return mine[0]
+    first_of_model = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    if first_of_model and ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_world_size() > 1:
+        dist.scatter_object_list(mine, per_rank, src=0, group=ps.get_data_parallel_group())
+    if first_of_model and ps.get_context_parallel_world_size() > 1:
+        group = ps.get_context_parallel_group()
+        dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        group = ps.get_model_parallel_group()
+        dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
+    return mine[0]
+
+
+def sum_over_data_parallel(values: torch.Tensor, *, max_last: int = 0) -> torch.Tensor:
+    """`values` (a small host tensor) summed over the data-parallel ranks, except the last `max_last` entries, of
+    which the maximum is taken."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() == 1:
+        return values
+    group = ps.get_data_parallel_group()
+    n = values.numel() - max_last
+    sums, maxima = values[:n].clone(), values[n:].clone()
+    torch.distributed.all_reduce(sums, group=group)
+    if max_last:
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.cat([sums, maxima])
+
+
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel rank and the data-parallel size of the current layout."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

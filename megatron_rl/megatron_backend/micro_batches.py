@@ -33,13 +33,6 @@ def data_parallel_partition(lengths: list[int], quadratic: float = 0.0) -> list[
     return balanced_partition(lengths, dp, alpha=quadratic) if dp > 1 else [list(range(len(lengths)))]
 
 
-def rows_of_this_rank(lengths: list[int], quadratic: float = 0.0) -> list[int]:
-    """The rows of a batch whose sequences have `lengths` that this data-parallel rank feeds."""
-    from megatron.core import parallel_state as ps
-
-    return data_parallel_partition(lengths, quadratic)[ps.get_data_parallel_rank()]
-
-
 @dataclass
 class RankPlan:
     """This rank's rows of a batch, in the order its micro-batches run them."""
@@ -60,7 +53,8 @@ def plan_micro_batches(
     quadratic: float = 0.0,
 ) -> RankPlan:
     """This rank's rows and micro-batches, as many on every data-parallel rank; under pipeline parallelism all get
-    one fixed shape.
+    one fixed shape. A batch with `dp_share` set is already this rank's rows, in the order it feeds them; any
+    other batch is the whole batch on every rank, and this rank takes its share of it here.
 
     `packing`: each micro-batch is packed (`TokenBatch.packing`): its samples end to end in one row of at most
     `max_tokens` tokens (a longer sample alone), padded only at the end, to a multiple of TP under sequence
@@ -76,8 +70,12 @@ def plan_micro_batches(
     from megatron.core import parallel_state as ps
 
     lengths = batch.lengths.tolist()
-    partition = data_parallel_partition(lengths, quadratic)
-    index = partition[ps.get_data_parallel_rank()]
+    if batch.dp_share is None:
+        partition = data_parallel_partition(lengths, quadratic)
+        index = partition[ps.get_data_parallel_rank()]
+        dp_imbalance = imbalance(lengths, partition)
+    else:
+        index, dp_imbalance = list(range(len(lengths))), batch.dp_share.imbalance
     mine = [lengths[i] for i in index]
     if packing:
         groups = split_micro_batches(mine, max_tokens, alpha=quadratic)
@@ -99,7 +97,7 @@ def plan_micro_batches(
     for g in groups:
         ranges.append(list(range(start, start + len(g))))
         start += len(g)
-    return RankPlan(shard, index, _micro_batches(shard, ranges, layout, packing), imbalance(lengths, partition))
+    return RankPlan(shard, index, _micro_batches(shard, ranges, layout, packing), dp_imbalance)
 
 
 def _micro_batches(shard: TokenBatch, groups: list[list[int]], layout: ParallelLayout, packing: bool):
@@ -192,13 +190,16 @@ def positions_below(lengths: torch.Tensor, s: int) -> torch.Tensor:
     return (pos >= 1) & (pos < lengths.unsqueeze(1))
 
 
-def gather_rows(tensors: dict[str, Any], index: list[int], total: int, dp_group) -> dict[str, Any]:
-    """Reassemble full-batch tensors from the data-parallel shards (each rank holds the rows `index` names)."""
+def gather_rows(
+    tensors: dict[str, Any], index: list[int], total: int, dp_group, *, gather: bool = True
+) -> dict[str, Any]:
+    """Reassemble full-batch tensors from the data-parallel shards (each rank holds the rows `index` names);
+    `gather=False`: this rank's rows only (`total` of them), put back in the batch's order."""
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_world_size()
     parts: list = [(index, tensors)]
-    if dp > 1:
+    if gather and dp > 1:
         parts = [None] * dp
         dist.all_gather_object(parts, (index, tensors), group=dp_group)
     out: dict[str, Any] = {}

@@ -2,21 +2,19 @@
 
 R2 records the routes in the old-policy pass and replays them in every update; R3 replays the rollout
 engine's routes in the old-policy pass and in every update (`routing.replay`). `StepRoutes` keeps them in a
-compact host `RouteCache` and is used by the step in four places:
+compact host `RouteCache`, keyed by the sample's row in the step's batch, and is used by the step in four places:
 
-    routes = StepRoutes(mode, dims, epochs, lengths, rows_fed=actor.rows_fed)   # before scoring
-    routes.put_rollout(samples)                                       # R3: the engine's routes
-    mb = routes.attach(mini_batch, part)                              # before each scoring / update pass
-    routes.after_scoring(part, scored, lengths)                       # R2: keep the recorded routes
+    routes = StepRoutes(mode, dims, rows)                             # rows: the samples this rank feeds
+    routes.put_rollout(samples)                                       # R3: the engine's routes of those rows
+    mb = routes.attach(mini_batch, keys)                              # before each scoring / update pass
+    routes.after_scoring(keys, scored, lengths)                       # R2: keep the recorded routes
     routes.metrics()                                                  # cache size, agreement metrics
 
-The actor says which rows of a mini-batch it feeds on this rank (`rows_fed`, from the rows' sequence lengths);
-other rows get placeholder experts that are never fed.
+A rank is only ever given its own rows (`trainer.step_plan`), so every row of a mini-batch it passes is fed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -42,20 +40,12 @@ class RouteShape(Protocol):
 class StepRoutes:
     """This rank's routes of one step's batch for R2/R3 (see the module docstring)."""
 
-    def __init__(
-        self,
-        mode: ReplayMode,
-        dims: RouteShape,
-        epochs: list[list[list[int]]],
-        lengths: list[int],
-        *,
-        rows_fed: Callable[[list[int]], list[int]],
-    ):
-        """`epochs`: each epoch's mini-batches (rows of the step's batch); `lengths`: every row's sequence length."""
+    def __init__(self, mode: ReplayMode, dims: RouteShape, rows: list[int]):
+        """`rows`: the rows of the step's batch this rank feeds (in any pass of the step)."""
         if not mode.on:
             raise ValueError("StepRoutes needs routing replay R2 or R3")
-        self.mode, self.dims, self.rows_fed = mode, dims, rows_fed
-        self.mine = {part[j] for parts in epochs for part in parts for j in rows_fed([lengths[i] for i in part])}
+        self.mode, self.dims = mode, dims
+        self.mine = set(rows)
         self.cache = RouteCache(len(dims.moe_layers), dims.top_k, dims.num_experts)
         self._agreements: list[dict[str, float]] = []
 
@@ -64,8 +54,8 @@ class StepRoutes:
         """What the old-policy pass does with routes: R2 records them, R3 replays the engine's."""
         return "record" if self.mode.record_old_logprobs else "replay"
 
-    def put_rollout(self, samples: list) -> None:
-        """R3: the engine's routes (SGLang layout) of this rank's samples."""
+    def put_rollout(self, samples: dict[int, Any]) -> None:
+        """R3: the engine's routes (SGLang layout) of this rank's samples, by row."""
         if not self.mode.routes_from_rollout:
             return
         for i in sorted(self.mine):
@@ -73,14 +63,12 @@ class StepRoutes:
                 raise ValueError(f"sample {i} has no routed_experts but routing replay R3 is on")
             self.cache.put(i, samples[i].routed_experts, num_tokens=len(samples[i].tokens))
 
-    def attach(self, mini_batch: Any, part: list[int]) -> Any:
-        """`mini_batch` (rows `part` of the step's batch) with `routes` set for the rows this rank feeds."""
-        fed = set(self.rows_fed(mini_batch.lengths.tolist()))
-        keys = [i if j in fed else None for j, i in enumerate(part)]
-        mini_batch.routes = self.cache.batch_routes(keys, mini_batch.input_ids.shape[1])
+    def attach(self, mini_batch: Any, keys: list[int]) -> Any:
+        """`mini_batch` (rows `keys` of the step's batch, all fed by this rank) with `routes` set."""
+        mini_batch.routes = self.cache.batch_routes(list(keys), mini_batch.input_ids.shape[1])
         return mini_batch
 
-    def after_scoring(self, part: list[int], scored: Any, lengths: torch.Tensor) -> None:
+    def after_scoring(self, keys: list[int], scored: Any, lengths: torch.Tensor) -> None:
         """R2: keep the routes the old-policy pass recorded (`[rows, seq, layers, k]`), this rank's rows only.
         R3: keep the agreement of the engine's routes with the trainer's (`routing/rollout_*` metrics)."""
         if self.mode.replay_old_logprobs:
@@ -92,11 +80,10 @@ class StepRoutes:
         recorded = scored.routes
         ordered = recorded.sort(-1).values
         fed = (ordered[..., 1:] != ordered[..., :-1]).all(-1).all(-1)  # [rows, seq]
-        for j, i in enumerate(part):
-            if i in self.mine:
-                n = int(lengths[j])
-                width = max(n, int(fed[j].nonzero().max()) + 1 if fed[j].any() else n)
-                self.cache.put(i, recorded[j, :width], num_tokens=n, recorded=True)
+        for j, i in enumerate(keys):
+            n = int(lengths[j])
+            width = max(n, int(fed[j].nonzero().max()) + 1 if fed[j].any() else n)
+            self.cache.put(i, recorded[j, :width], num_tokens=n, recorded=True)
 
     def metrics(self, updates: list[dict[str, float]]) -> dict[str, float]:
         """Cache footprint, and the agreement metrics of the scoring passes (R3) and of `updates` (the

@@ -29,7 +29,13 @@ from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
 from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
-from megatron_rl.megatron_backend.distributed import broadcast_object, init_distributed, shutdown
+from megatron_rl.megatron_backend.distributed import (
+    broadcast_object,
+    data_parallel_rank_and_size,
+    init_distributed,
+    shutdown,
+    sum_over_data_parallel,
+)
 from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
 from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
 from megatron_rl.megatron_backend.models.family import ModelDims
@@ -46,18 +52,20 @@ from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, Rollo
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop
 from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
-from megatron_rl.trainer.rl_batch import samples_to_batch, select
+from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
     RolloutSource,
     SyncRollout,
     collect_rollout,
+    share_rows,
     sync_or_defer,
     sync_weights,
 )
 from megatron_rl.trainer.run_log import RunLog, run_header
 from megatron_rl.trainer.sample_log import SampleLog
-from megatron_rl.trainer.step_metrics import mismatch_metrics, update_metrics
+from megatron_rl.trainer.step_metrics import mismatch_metrics, mismatch_sums, update_metrics
+from megatron_rl.trainer.step_plan import RankRows, plan_step
 from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.sync_verification import SyncVerifier, build_verifier
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
@@ -367,13 +375,14 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
-    # 1. Rollout with rewards (and dynamic sampling) on rank 0, shared with every rank. Colocated: the engine
-    #    holds the accelerator (memory.for_rollout), then hands it to the trainer (memory.for_training).
+    # 1. Rollout with rewards (and dynamic sampling) on rank 0; every rank learns the samples' lengths and rewards.
+    #    Colocated: the engine holds the accelerator (memory.for_rollout), then hands it to the trainer.
     p.memory.for_rollout()
-    samples, metrics = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory, p.verifier)
+    rollout = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory, p.verifier)
+    metrics = rollout.metrics
     p.memory.for_training()
     timings["time/rollout"] = time.perf_counter() - t0
-    if not samples:  # dynamic sampling kept no group within its tries: nothing to learn from this step
+    if not rollout.lengths:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
             with p.source.updating(step) if p.source is not None else nullcontext():
                 sync_or_defer(
@@ -391,44 +400,55 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         verified = p.verifier.pop_metrics() if p.verifier is not None else {}
         return {**metrics, **timings, **p.memory.pop_metrics(), **verified, "time/step": time.perf_counter() - t0}
 
-    # 2. Advantages from the group-structured rewards.
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    # 2. Advantages from the group-structured rewards (every rank alike).
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float32)
     options = estimator_options(algo.advantage, norm_by_std=algo.norm_adv_by_std)
     advantages = compute_advantages(algo.advantage, rewards, cfg.rollout.n_samples, **options)
-    batch = samples_to_batch(samples, advantages=advantages)
-    if p.samples_log is not None:
-        p.samples_log.add_step(step, samples, advantages.tolist())
+    if p.samples_log is not None and rollout.samples is not None:
+        p.samples_log.add_step(step, rollout.samples, advantages.tolist())
 
-    # 3. Mini-batches of the first epoch are fixed now: old-policy log-probs are computed on exactly the
+    # 3. The step's plan, fixed for all its passes: its mini-batches and each data-parallel rank's rows of them.
+    #    Rank 0 sends each rank only its rows (routes included); old-policy log-probs are computed on exactly the
     #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0).
-    #    R2/R3 routes live in a host cache of the samples this data-parallel rank feeds (routing.step_routes).
     t = time.perf_counter()
-    epochs = [mini_batch_partition(cfg, step, epoch, batch.size) for epoch in range(algo.ppo_epochs)]
+    dp_rank, dp = data_parallel_rank_and_size()
+    plan = plan_step(
+        rollout.lengths, mini_batches=algo.mini_batches_per_step, epochs=algo.ppo_epochs, dp=dp,
+        seed=cfg.trainer.seed, step=step, quadratic=cfg.trainer.balance_quadratic,
+    )  # fmt: skip
+    rows = RankRows(plan, dp_rank)
+    samples, received = share_rows(rollout.samples, plan)
+    batch = samples_to_batch(samples, advantages=advantages[rows.rows])
     mode = ReplayMode(algo.routing_replay)
-    routes = StepRoutes(mode, actor.dims, epochs, batch.lengths.tolist(), rows_fed=actor.rows_fed) if mode.on else None
+    routes = StepRoutes(mode, actor.dims, rows.rows) if mode.on else None
     if routes is not None:
-        routes.put_rollout(samples)
+        routes.put_rollout(dict(zip(rows.rows, samples, strict=True)))
     replay = replay_checks(cfg, step, first_step)
-    entropy = score_old_and_reference(p, batch, epochs[0], routes, replay)
+    entropy = score_old_and_reference(p, batch, rows, routes, replay)
     timings["time/old_logp"] = time.perf_counter() - t
-    metrics.update(mismatch_metrics(batch, batch.fields["old_log_probs"], entropy))
+    mismatch = mismatch_sums(batch, batch.fields["old_log_probs"], entropy)
+    received_bytes = torch.tensor([float(received)], dtype=torch.float64)
+    reduced = sum_over_data_parallel(torch.cat([mismatch, received_bytes]), max_last=2)
+    metrics.update(mismatch_metrics(reduced[:-1]))
+    metrics["data/rows"], metrics["data/bytes_received_max"] = float(len(rows.rows)), float(reduced[-1])
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     t = time.perf_counter()
-    parts = [part for epoch in epochs for part in epoch]
-    updates = [
-        actor.train_step(
-            routes.attach(select(batch, part), part) if routes else select(batch, part),
-            p.loss_fn,
-            with_entropy=True,
-            route_mode="replay" if routes else None,
-            replay=replay,
-            on_nonfinite=cfg.trainer.on_nonfinite,
-            skip_grad_norm_above=p.guard.skip_grad_norm_above if p.guard is not None else None,
-            where=f"step {step}, update {i + 1} of {len(parts)}",
+    updates = []
+    for i, m in enumerate(plan.updates()):
+        mb = rows.mini_batch(batch, m)
+        updates.append(
+            actor.train_step(
+                routes.attach(mb, rows.keys(m)) if routes else mb,
+                p.loss_fn,
+                with_entropy=True,
+                route_mode="replay" if routes else None,
+                replay=replay,
+                on_nonfinite=cfg.trainer.on_nonfinite,
+                skip_grad_norm_above=p.guard.skip_grad_norm_above if p.guard is not None else None,
+                where=f"step {step}, update {i + 1} of {len(plan.updates())}",
+            )
         )
-        for i, part in enumerate(parts)
-    ]
     update_means, update_routing = update_metrics(updates)
     metrics.update(update_means)
     if routes is not None:
@@ -444,33 +464,35 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     timings["time/weight_sync"] = time.perf_counter() - t
     timings["time/step"] = time.perf_counter() - t0
     metrics.update({**timings, **p.memory.pop_metrics(), **(p.verifier.pop_metrics() if p.verifier else {})})
-    metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / timings["time/step"]
+    metrics["perf/tokens_per_s"] = sum(rollout.lengths) / timings["time/step"]
     return metrics
 
 
 def score_old_and_reference(
-    p: StepParts, batch: TokenBatch, parts: list[list[int]], routes: StepRoutes | None, replay: ReplayChecks
+    p: StepParts, batch: TokenBatch, rows: RankRows, routes: StepRoutes | None, replay: ReplayChecks
 ) -> torch.Tensor:
-    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` on the micro-batches `parts` of
-    the first update; the old policy's entropy. With a reference equal to the policy the KL is exactly 0."""
+    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` (this rank's rows) on the
+    micro-batches of the first update of each mini-batch; the old policy's entropy. With a reference equal to the
+    policy the KL is exactly 0."""
     batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
     entropy = torch.zeros_like(batch.fields["loss_mask"])
-    for part in parts:
-        mb = select(batch, part)
+    for m in range(len(rows.plan.mini_batches)):
+        mb, local = rows.mini_batch(batch, m), rows.local(m)
         if routes is not None and routes.scoring_mode == "replay":
-            mb = routes.attach(mb, part)
+            mb = routes.attach(mb, rows.keys(m))
         mode = routes.scoring_mode if routes is not None else None
         scored = p.actor.compute_log_probs(mb, with_entropy=True, route_mode=mode, replay=replay)
-        batch.fields["old_log_probs"][part] = scored.log_probs
+        batch.fields["old_log_probs"][local] = scored.log_probs
         if scored.entropy is not None:
-            entropy[part] = scored.entropy
+            entropy[local] = scored.entropy
         if routes is not None:
-            routes.after_scoring(part, scored, batch.lengths[part])
+            routes.after_scoring(rows.keys(m), scored, mb.lengths)
     if p.reference is not None:
         batch.fields["ref_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
         with p.reference.swapped_in() as ref_actor:
-            for part in parts:
-                batch.fields["ref_log_probs"][part] = ref_actor.compute_log_probs(select(batch, part)).log_probs
+            for m in range(len(rows.plan.mini_batches)):
+                scored = ref_actor.compute_log_probs(rows.mini_batch(batch, m))
+                batch.fields["ref_log_probs"][rows.local(m)] = scored.log_probs
     return entropy
 
 
@@ -480,13 +502,6 @@ def replay_checks(cfg: RLConfig, step: int, first_step: int) -> ReplayChecks:
     check = algo.replay_check == "every_step" or (algo.replay_check == "first_step" and step == first_step)
     every = algo.replay_agreement_every
     return ReplayChecks(check=check, agreement=every > 0 and step % every == 0)
-
-
-def mini_batch_partition(cfg: RLConfig, step: int, epoch: int, size: int) -> list[list[int]]:
-    """Row indices of each mini-batch of one epoch (a seeded shuffle, the same on every rank)."""
-    shuffle = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step * 1000 + epoch)
-    order = torch.randperm(size, generator=shuffle)
-    return [sorted(part.tolist()) for part in order.chunk(cfg.algo.mini_batches_per_step)]
 
 
 # ---------------------------------------------------------------------------------------------- parts

@@ -4,20 +4,28 @@ A step's batch comes from a `RolloutSource`: `SyncRollout` generates it when ask
 takes it from the producer thread.
 
 The engine lives on rank 0 (`engine=None` elsewhere); every rank takes part in the weight export, so each
-function here is collective.
+function here is collective. Rank 0 keeps the step's samples: every rank learns their lengths and rewards (a few
+bytes each), and each data-parallel rank is sent only the samples it trains on (`share_rows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch.distributed as dist
+
 from megatron_rl.megatron_backend.actor import MegatronActor
-from megatron_rl.megatron_backend.distributed import broadcast_object
+from megatron_rl.megatron_backend.distributed import broadcast_object, scatter_by_data_parallel_rank
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
+from megatron_rl.trainer.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.sync_verification import SyncVerifier
@@ -59,6 +67,17 @@ class SyncRollout:
         return nullcontext()
 
 
+@dataclass
+class StepRollout:
+    """One step's rollout as every rank sees it: each sample's token count and reward, the rollout metrics, and
+    the samples themselves on rank 0 only (`share_rows` sends each data-parallel rank its own)."""
+
+    lengths: list[int]
+    rewards: list[float]
+    metrics: dict[str, float]
+    samples: list[Sample] | None = None
+
+
 def collect_rollout(
     cfg: Any,
     step: int,
@@ -67,17 +86,23 @@ def collect_rollout(
     source: RolloutSource | None,
     memory: ColocatedMemory,
     verifier: SyncVerifier | None = None,
-) -> tuple[list, dict[str, float]]:
-    """Rank 0 takes the step's samples from `source` and shares them. When a rollout server (or the engine's
-    process) dies or hangs, the engine restarts it, every rank re-sends the current weights and the step's rollout
-    is retried from the same prompt position (at most `rollout.restarts_per_step` times)."""
+) -> StepRollout:
+    """Rank 0 takes the step's samples from `source` and tells every rank their lengths and rewards. When a
+    rollout server (or the engine's process) dies or hangs, the engine restarts it, every rank re-sends the
+    current weights and the step's rollout is retried from the same prompt position (at most
+    `rollout.restarts_per_step` times)."""
     restarts = 0
     while True:
         outcome: Any = None
+        samples: list[Sample] = []
         if engine is not None and source is not None:
             try:
                 samples, metrics = source.produce(step)
-                outcome = (samples, {**metrics, "rollout/restarts": restarts})
+                unscored = [i for i, s in enumerate(samples) if s.reward is None]
+                if unscored:
+                    raise ValueError(f"step {step}: sample {unscored[0]} has no reward; score it first")
+                lengths, rewards = [len(s.tokens) for s in samples], [float(s.reward or 0.0) for s in samples]
+                outcome = StepRollout(lengths, rewards, {**metrics, "rollout/restarts": restarts})
             except RolloutEngineError as err:
                 outcome = err
                 if restarts < cfg.rollout.restarts_per_step:
@@ -95,14 +120,37 @@ def collect_rollout(
                 f"step {step}: rollout failed {restarts + 1} times (rollout.restarts_per_step="
                 f"{cfg.rollout.restarts_per_step}): {outcome}"
             ) from (outcome if engine is not None else None)
-        if outcome != "retry":
-            return outcome
+        if isinstance(outcome, StepRollout):
+            return dataclasses.replace(outcome, samples=samples if engine is not None else None)
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         with source.updating(step - 1, on_schedule=False) if source is not None else nullcontext():
             what = f"step {step}: re-sending the weights"
             sync_or_defer(actor, engine, cfg, version=weight_version(step - 1), what=what, verifier=verifier)
         memory.for_rollout()
+
+
+def share_rows(samples: list[Sample] | None, plan: StepPlan) -> tuple[list[Sample], int]:
+    """`(samples, bytes)`: the samples this data-parallel rank trains on (`plan.rows_of`, ascending), sent from rank
+    0 (which holds them all, `samples`) to that rank's ranks only, and the pickled bytes this rank received (0 on
+    rank 0). A sample travels with what training reads: tokens, engine log-probs, masks and its routes (compact,
+    uint8/int16); its prompt text, answer and reward parts stay on rank 0, which logs them."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if samples is not None:
+        parts = [[_for_training(samples[i]) for i in plan.rows_of(r)] for r in range(dp)]
+        peers = dist.get_world_size() > dp  # model-parallel peers of data-parallel rank 0 receive its part too
+        blobs = [pickle.dumps(part, pickle.HIGHEST_PROTOCOL) if r or peers else b"" for r, part in enumerate(parts)]
+        scatter_by_data_parallel_rank(blobs)
+        return parts[0], 0
+    blob = scatter_by_data_parallel_rank(None)
+    return pickle.loads(blob), len(blob)
+
+
+def _for_training(sample: Sample) -> Sample:
+    excluded = bool(sample.metadata.get("exclude_from_loss"))
+    return dataclasses.replace(sample, metadata={"exclude_from_loss": True} if excluded else {}, reward_parts={})
 
 
 def sync_weights(

@@ -64,18 +64,35 @@ def multi_turn_metrics(samples: list) -> dict[str, float]:
     return metrics
 
 
-def mismatch_metrics(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> dict[str, float]:
-    """Trainer vs rollout-engine log-probs of the trained tokens (multi-turn observations have no engine log-prob):
-    mean |diff| and k3 KL."""
+def mismatch_sums(batch: TokenBatch, old_log_probs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """Trainer vs rollout-engine log-probs of `batch`'s trained tokens (multi-turn observations have no engine
+    log-prob), as float64 sums that add over data-parallel shards: `[tokens, sum |diff|, sum k3 KL, sum entropy,
+    max |diff|]` (the last is a maximum; `mismatch_metrics` reads them)."""
     mask = batch.response_mask() & (batch.fields["loss_mask"] > 0)
-    if not mask.any():
+    trainer, engine = old_log_probs[mask].double(), batch.fields["rollout_log_probs"][mask].double()
+    diff = (trainer - engine).abs()
+    return torch.stack(
+        [
+            mask.sum().double(),
+            diff.sum(),
+            kl_penalty(engine, trainer, "k3").sum(),
+            entropy[mask].double().sum(),
+            diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64),
+        ]
+    )
+
+
+def mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """Mean |diff|, max |diff|, mean k3 KL and the old policy's mean entropy from `mismatch_sums` (summed over
+    the data-parallel ranks, the maximum taken)."""
+    tokens, abs_diff, k3, entropy, largest = sums.tolist()
+    if not tokens:
         return {}
-    trainer, engine = old_log_probs[mask], batch.fields["rollout_log_probs"][mask]
     return {
-        "mismatch/logp_abs_diff": float((trainer - engine).abs().mean()),
-        "mismatch/logp_abs_diff_max": float((trainer - engine).abs().max()),
-        "mismatch/k3_kl": float(kl_penalty(engine, trainer, "k3").mean()),
-        "actor/entropy_old": float(entropy[mask].mean()),
+        "mismatch/logp_abs_diff": abs_diff / tokens,
+        "mismatch/logp_abs_diff_max": largest,
+        "mismatch/k3_kl": k3 / tokens,
+        "actor/entropy_old": entropy / tokens,
     }
 
 
