@@ -164,7 +164,9 @@ class AlgoConfig:
         "matmul per MoE layer and pass) every this many RL steps; 0 = never",
         ge=0,
     )
-    ppo_epochs: int = setting(1, help="passes over each rollout batch", ge=1)
+    ppo_epochs: int = setting(
+        1, help="passes over each rollout batch (later passes run the same mini-batches in a seeded order)", ge=1
+    )
     mini_batches_per_step: int = setting(
         1,
         help="optimizer updates per pass: the rollout batch is split into this many mini-batches (updates per "
