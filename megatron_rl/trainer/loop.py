@@ -2,9 +2,10 @@
 
 Read top to bottom: `train(cfg)` plans the run folder, builds the parts of a step (`StepParts`), warms the
 policy up with supervised steps when asked, then runs `trainer.steps` RL steps (`rl_step`), checkpointing
-and evaluating between them. Rank 0 owns the rollout engine and broadcasts each step's samples to every rank;
-all ranks train. In async mode (`trainer.mode: async`) rank 0's batches come from a producer thread that
-generates ahead of the trainer (`async_rollout`); the step is otherwise the same.
+and evaluating between them. Rank 0 owns the rollout engine and sends each data-parallel rank only the samples it
+trains on (`step_plan`, `rollout_phase.share_rows`); all ranks train. In async mode (`trainer.mode: async`) rank
+0's batches come from a producer thread that generates ahead of the trainer (`async_rollout`); the step is
+otherwise the same.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.megatron_backend import checkpoint, platform
 from megatron_rl.megatron_backend.actor import MegatronActor
-from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
+from megatron_rl.megatron_backend.batch import LossFn
 from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import (
     broadcast_object,
@@ -52,6 +53,7 @@ from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, Rollo
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop
 from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
+from megatron_rl.trainer.old_policy_scores import score_old_and_reference
 from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
@@ -385,14 +387,8 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     if not rollout.lengths:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
             with p.source.updating(step) if p.source is not None else nullcontext():
-                sync_or_defer(
-                    actor,
-                    p.engine,
-                    cfg,
-                    version=weight_version(step),
-                    what=f"step {step}: weight sync",
-                    verifier=p.verifier,
-                )
+                what = f"step {step}: weight sync"
+                sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
         elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
             p.memory.for_weight_sync()
             what = f"step {step}: weight sync"
@@ -424,7 +420,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     if routes is not None:
         routes.put_rollout(dict(zip(rows.rows, samples, strict=True)))
     replay = replay_checks(cfg, step, first_step)
-    entropy = score_old_and_reference(p, batch, rows, routes, replay)
+    entropy = score_old_and_reference(actor, p.reference, batch, rows, routes, replay)
     timings["time/old_logp"] = time.perf_counter() - t
     mismatch = mismatch_sums(batch, batch.fields["old_log_probs"], entropy)
     received_bytes = torch.tensor([float(received)], dtype=torch.float64)
@@ -466,34 +462,6 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     metrics.update({**timings, **p.memory.pop_metrics(), **(p.verifier.pop_metrics() if p.verifier else {})})
     metrics["perf/tokens_per_s"] = sum(rollout.lengths) / timings["time/step"]
     return metrics
-
-
-def score_old_and_reference(
-    p: StepParts, batch: TokenBatch, rows: RankRows, routes: StepRoutes | None, replay: ReplayChecks
-) -> torch.Tensor:
-    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` (this rank's rows) on the
-    micro-batches of the first update of each mini-batch; the old policy's entropy. With a reference equal to the
-    policy the KL is exactly 0."""
-    batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
-    entropy = torch.zeros_like(batch.fields["loss_mask"])
-    for m in range(len(rows.plan.mini_batches)):
-        mb, local = rows.mini_batch(batch, m), rows.local(m)
-        if routes is not None and routes.scoring_mode == "replay":
-            mb = routes.attach(mb, rows.keys(m))
-        mode = routes.scoring_mode if routes is not None else None
-        scored = p.actor.compute_log_probs(mb, with_entropy=True, route_mode=mode, replay=replay)
-        batch.fields["old_log_probs"][local] = scored.log_probs
-        if scored.entropy is not None:
-            entropy[local] = scored.entropy
-        if routes is not None:
-            routes.after_scoring(rows.keys(m), scored, mb.lengths)
-    if p.reference is not None:
-        batch.fields["ref_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
-        with p.reference.swapped_in() as ref_actor:
-            for m in range(len(rows.plan.mini_batches)):
-                scored = ref_actor.compute_log_probs(rows.mini_batch(batch, m))
-                batch.fields["ref_log_probs"][rows.local(m)] = scored.log_probs
-    return entropy
 
 
 def replay_checks(cfg: RLConfig, step: int, first_step: int) -> ReplayChecks:
