@@ -134,7 +134,7 @@ def _sglang(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "sglang"))
     from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env, sglang_python
 
-    from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+    from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 
     python = sglang_python()
     if python is None:

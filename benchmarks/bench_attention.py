@@ -43,7 +43,7 @@ CORE_FORWARDS = ("packed_attention.py", "sdpa_attention.py", "dot_product_attent
 
 def demo_batch(batch: int, seed: int, response: int = 16) -> Any:
     """`batch` sequences of the demo's lengths: a 4-6 token prompt and a 4-`response` token response."""
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 7, (batch,), generator=gen)
@@ -85,10 +85,10 @@ def main() -> None:
     from megatron_rl.megatron_backend import platform
 
     platform.prepare_megatron_import()
-    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.config.options import ModelOptions, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.tiny_model import BENCH_SPEC, TinyQwen3MoeSpec, make_tiny_qwen3_moe
 
     init_distributed(ParallelLayout(), seed=1)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from megatron_rl.megatron_backend.balance import (
+from megatron_rl.megatron_backend.actor.balance import (
     balanced_partition,
     imbalance,
     round_robin_partition,

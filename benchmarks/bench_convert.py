@@ -39,7 +39,7 @@ def sample():
             peak[key] = max(peak[key], int(re.search(key + r":\\s+(\\d+)", status)[1]) * 1024)
         time.sleep(0.01)
 threading.Thread(target=sample, daemon=True).start()
-from megatron_rl.megatron_backend import conversion
+from megatron_rl.megatron_backend.weights import conversion
 time.sleep(0.05)
 start = dict(peak)
 report = getattr(conversion, sys.argv[1])(sys.argv[2], sys.argv[3])

@@ -57,7 +57,7 @@ def bridge_cpu(*args, **kwargs):
     return info
 platform.bridge_cpu = bridge_cpu
 import time
-from megatron_rl.trainer import run_log
+from megatron_rl.trainer.logs import run_log
 logged = run_log.RunLog.log
 def log(self, step, metrics):
     return logged(self, step, {**metrics, 'cpu/process_s': time.process_time()})

@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
         init_distributed,
         shutdown,
     )
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.trainer.rl_batch import samples_to_batch
     from megatron_rl.trainer.rollout_phase import share_rows
     from megatron_rl.trainer.step_plan import RankRows, plan_step

@@ -34,9 +34,9 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.engine_process import ProcessEngine
-from megatron_rl.rollout.local_engine import LocalEngine
-from megatron_rl.rollout.synthetic_task import SyntheticTask
+from megatron_rl.rollout.engines.engine_process import ProcessEngine
+from megatron_rl.rollout.engines.local_engine import LocalEngine
+from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask
 from megatron_rl.tiny_model import BENCH_SPEC, TinyQwen3MoeSpec, make_tiny_qwen3_moe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,13 +35,13 @@ GEMMS = ("grouped_mm", "loop")
 def measure(spec_name: str, threads: list[int], lengths: tuple[int, int], reps: int) -> dict:
     from bench_vs_trl import SPECS
 
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.config.options import ModelOptions, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.models.architecture import model_dims
-    from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.architecture import model_dims
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.tiny_model import make_tiny_qwen3_moe
     from megatron_rl.trainer.warmup import sft_loss
 

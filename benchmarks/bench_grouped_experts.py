@@ -76,7 +76,7 @@ def build(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, torch.nn
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from megatron_rl.megatron_backend.models.grouped_experts import grouped_mlp_class
+    from megatron_rl.megatron_backend.layers.grouped_experts import grouped_mlp_class
 
     config = TransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=experts, moe_router_topk=top_k,
@@ -136,7 +136,7 @@ def routing(tokens: int, experts: int, top_k: int, hidden: int) -> dict[str, tor
 
 def step(variant: str, module: torch.nn.Module, r: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward; each token's summed top-k output and the gradient of the input tokens."""
-    from megatron_rl.megatron_backend.models import grouped_experts
+    from megatron_rl.megatron_backend.layers import grouped_experts
 
     module.zero_grad(set_to_none=True)
     if variant == "previous":  # the module looks its projection up at call time
@@ -222,7 +222,7 @@ def main() -> None:
 
     platform.prepare_megatron_import()
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     init_distributed(ParallelLayout(), seed=0)
     load_before = os.getloadavg()

@@ -48,13 +48,13 @@ def profile_ops(fn, repeats: int) -> tuple[collections.Counter, float]:
 def main() -> None:
     from bench_vs_trl import SPECS
 
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.models.architecture import model_dims
-    from megatron_rl.megatron_backend.options import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.architecture import model_dims
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

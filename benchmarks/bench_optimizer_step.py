@@ -51,7 +51,7 @@ def _spec(name: str):
 
 
 def _batch(rows: int, vocab: int, seed: int):
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
 
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(28, 45, (rows,), generator=gen)
@@ -89,10 +89,10 @@ def main() -> None:
 
     import megatron_rl
     from megatron_rl import tiny_model
-    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.config.options import OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.options import OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     spec = _spec(args.spec)
     init_distributed(ParallelLayout(), seed=1234)

@@ -41,7 +41,7 @@ def lengths_of(batch: int, seed: int) -> list[int]:
 
 
 def padding_share(lengths: list[int], budget: int) -> float:
-    from megatron_rl.megatron_backend.batch import split_by_token_budget
+    from megatron_rl.megatron_backend.actor.batch import split_by_token_budget
 
     groups = split_by_token_budget(lengths, budget)
     padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
@@ -57,11 +57,11 @@ def vm_rss_mib() -> float:
 
 def child(args: argparse.Namespace) -> None:
     """One mode in this process: time a scoring and a training pass (after one warm-up of each)."""
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.config.options import ModelOptions, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     layout = ParallelLayout()
     init_distributed(layout, seed=1)

@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT / "tests" / "sglang"))  # the CPU stand-ins of SGLan
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env  # noqa: E402
 
 from megatron_rl.rollout.engine import SamplingParams  # noqa: E402
-from megatron_rl.rollout.local_engine import LocalEngine  # noqa: E402
-from megatron_rl.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402
-from megatron_rl.rollout.weight_sync import make_weight_sync  # noqa: E402
+from megatron_rl.rollout.engines.local_engine import LocalEngine  # noqa: E402
+from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine  # noqa: E402
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402
+from megatron_rl.rollout.sglang.weight_sync import make_weight_sync  # noqa: E402
 from megatron_rl.tiny_model import BENCH_SPEC, make_tiny_qwen3_moe  # noqa: E402
 
 BROADCAST_HELPER = """
@@ -104,7 +104,7 @@ def raw_http_seconds(nbytes: int, posts: int) -> float:
 
 def raw_broadcast_seconds(nbytes: int, repeats: int) -> float:
     """Median seconds of one gloo broadcast of `nbytes` to a helper process."""
-    from megatron_rl.rollout.sglang_server import free_port
+    from megatron_rl.rollout.sglang.sglang_server import free_port
 
     port = free_port()
     helper = subprocess.Popen([sys.executable, "-c", BROADCAST_HELPER, str(port), str(nbytes), str(repeats + 1)])

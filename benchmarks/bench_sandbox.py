@@ -13,7 +13,7 @@ import os
 import statistics
 import time
 
-from megatron_rl.rollout.tools.python_sandbox import PythonSandbox
+from megatron_rl.rollout.agent.tools.python_sandbox import PythonSandbox
 
 
 def main() -> None:

@@ -204,7 +204,7 @@ def weight_shapes(model: Path) -> tuple[list[tuple[str, list[int]]], dict]:
 
 def parameter_counts(model: Path) -> dict[str, float]:
     """Total, embedding and active parameters: an expert's weights count top-k / experts of a token's path."""
-    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.models.architecture import model_dims
 
     shapes, hf = weight_shapes(model)
     dims = model_dims(hf)
@@ -229,7 +229,7 @@ def parameter_counts(model: Path) -> dict[str, float]:
 def matmuls(model: Path, rows: float, backward: bool) -> list[tuple[int, int, int]]:
     """The (m, k, n) products of one pass over `rows` tokens: every weight but the input embedding; an expert's at
     rows x top-k / experts (balanced routing); with `backward`, each weight's two gradient products too."""
-    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.models.architecture import model_dims
 
     shapes, hf = weight_shapes(model)
     dims = model_dims(hf)

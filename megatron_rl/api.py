@@ -33,8 +33,8 @@ def train(config: RLConfig | str | Path, overrides: Sequence[str] = (), *, verbo
         cfg, config_path = load_config(config, overrides), str(config)
     check_input_paths(cfg)  # model, tokenizer and data files exist: fail before the model is built
     check_plugins(cfg)
+    from megatron_rl.trainer.logs.run_dir import resume_command
     from megatron_rl.trainer.loop import train as run_training
-    from megatron_rl.trainer.run_dir import resume_command
 
     return run_training(cfg, resume_command=resume_command(cfg, config_path, overrides), verbose=verbose)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main
-from megatron_rl.megatron_backend.dist_checkpoint_files import expected_file_sizes
+from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import expected_file_sizes
 
 REPO = Path(__file__).parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe_gspo.yaml"
@@ -373,7 +373,7 @@ def test_tokenizer_guard_accepts_the_models_own_and_a_smaller_one(tiny_moe_dir: 
     """The tiny model's tokenizer: 128 tokens, eos 2 (<|im_end|>), pad 3, no bos, as config.json and
     generation_config.json say; a padded vocabulary above the tokenizer's size is normal, and an eos list in
     generation_config.json that holds the tokenizer's eos agrees."""
-    from megatron_rl.trainer.input_guards import check_tokenizer
+    from megatron_rl.trainer.guards.input_guards import check_tokenizer
 
     model = _model_copy(tiny_moe_dir, tmp_path, generation_config={"eos_token_id": [2, 0]})
     tokenizer = _tokenizer(model)
@@ -405,7 +405,7 @@ def test_tokenizer_guard_accepts_the_models_own_and_a_smaller_one(tiny_moe_dir: 
 def test_tokenizer_guard_refuses_another_models_tokenizer(
     files: dict, vocab: int, message: str, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
-    from megatron_rl.trainer.input_guards import InputMismatchError, check_tokenizer
+    from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_tokenizer
 
     model = _model_copy(tiny_moe_dir, tmp_path, **files)
     with pytest.raises(InputMismatchError) as err:
@@ -415,7 +415,7 @@ def test_tokenizer_guard_refuses_another_models_tokenizer(
 
 def test_max_positions_follows_yarn(tiny_moe_dir: Path) -> None:
     """max_position_embeddings (256) unless rope_scaling is YaRN: then original_max_position_embeddings * factor."""
-    from megatron_rl.megatron_backend.models.architecture import max_positions
+    from megatron_rl.models.architecture import max_positions
 
     config = json.loads((tiny_moe_dir / "config.json").read_text())
     assert max_positions(config) == 256
@@ -461,7 +461,7 @@ def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: 
     """A JSONL prompt file whose longest prompt (line 2) plus max_new_tokens passes the model's 256 positions."""
     from megatron_rl.config import load_config
     from megatron_rl.rollout.data import PromptData
-    from megatron_rl.trainer.input_guards import InputMismatchError, check_positions
+    from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_positions
 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "1 2", "answer": "2 1"}, {"prompt": "7" * 150, "answer": "7"}]
@@ -486,7 +486,7 @@ def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: 
 
 def test_multi_turn_positions_are_bounded_by_turns_max_tokens(tiny_moe_dir: Path) -> None:
     from megatron_rl.config import load_config
-    from megatron_rl.trainer.input_guards import InputMismatchError, check_positions
+    from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_positions
 
     tool_example = REPO / "examples" / "tiny_moe_tool_gspo.yaml"
     cfg = load_config(tool_example, [f"model.hf_path={tiny_moe_dir}", "rollout.turns.max_tokens=300"])

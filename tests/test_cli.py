@@ -49,7 +49,7 @@ def test_unknown_subcommand_fails() -> None:
 
 
 def test_models_lists_every_registered_family() -> None:
-    from megatron_rl.megatron_backend.models import supported_families
+    from megatron_rl.models import supported_families
 
     proc = _run("models")
     assert proc.returncode == 0, proc.stderr

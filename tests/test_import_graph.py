@@ -102,8 +102,8 @@ def _third_party(prefix: str, modules: list[str], roots: set[str]) -> list[str]:
 
 def test_the_graph_is_read() -> None:
     graph = _graph()
-    assert "megatron_rl.megatron_backend.checkpoint_format" in graph["megatron_rl.megatron_backend.checkpoint"]
-    assert "megatron_rl.megatron_backend.checkpoint_format" in graph["megatron_rl.megatron_backend.conversion"]
+    assert "megatron_rl.formats.checkpoint_format" in graph["megatron_rl.megatron_backend.checkpoint.dist_checkpoint"]
+    assert "megatron_rl.formats.checkpoint_format" in graph["megatron_rl.megatron_backend.weights.conversion"]
     # A cycle is found when there is one.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -114,8 +114,10 @@ def test_no_import_cycle() -> None:
 
 def test_checkpoint_and_conversion_do_not_import_each_other() -> None:
     graph = _graph()
-    assert "megatron_rl.megatron_backend.conversion" not in graph["megatron_rl.megatron_backend.checkpoint"]
-    assert "megatron_rl.megatron_backend.checkpoint" not in graph["megatron_rl.megatron_backend.conversion"]
+    checkpoint = "megatron_rl.megatron_backend.checkpoint.dist_checkpoint"
+    conversion = "megatron_rl.megatron_backend.weights.conversion"
+    assert conversion not in graph[checkpoint]
+    assert checkpoint not in graph[conversion]
 
 
 def test_backend_does_not_import_rollout_or_trainer() -> None:
@@ -144,7 +146,7 @@ def test_algorithms_import_no_megatron_or_sglang() -> None:
 def test_trainer_loop_imports_no_megatron_core_and_builds_no_sglang_flags() -> None:
     assert _third_party("megatron.core", ["megatron_rl.trainer.loop"], {"megatron"}) == []
     source = (PACKAGE / "trainer" / "loop.py").read_text()
-    assert re.findall(r"[\"']--[a-z][a-z-]+", source) == []  # SGLang flags live in rollout/engine_factory.py
+    assert re.findall(r"[\"']--[a-z][a-z-]+", source) == []  # SGLang flags live in rollout/engines/engine_factory.py
 
 
 def test_routing_imports_no_megatron() -> None:

@@ -132,7 +132,7 @@ def main() -> None:
 
     from megatron_rl.rollout.rewards import get_reward
     from megatron_rl.rollout.sample import Sample
-    from megatron_rl.rollout.synthetic_task import SyntheticTask
+    from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

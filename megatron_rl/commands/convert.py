@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.megatron_backend.conversion import hf_to_megatron, megatron_to_hf
+    from megatron_rl.megatron_backend.weights.conversion import hf_to_megatron, megatron_to_hf
 
     if args.direction == "hf-to-megatron":
         report = hf_to_megatron(args.source, args.output, dtype=args.dtype)

@@ -79,7 +79,7 @@ def read_samples(path: Path, vocab_size: int) -> list[dict]:
 def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top_k: int, num_experts: int):
     import torch
 
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.routing.cache import RouteCache
 
     longest = max(len(s["input_ids"]) for s in samples)
@@ -99,14 +99,14 @@ def to_batch(samples: list[dict], *, with_routes: bool, num_moe_layers: int, top
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.checkpoint import load_checkpoint
-    from megatron_rl.megatron_backend.checkpoint_format import read_checkpoint_hf_config, resolve_checkpoint_dir
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.formats.checkpoint_format import read_checkpoint_hf_config, resolve_checkpoint_dir
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.megatron_backend.checkpoint.dist_checkpoint import load_checkpoint
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.models.architecture import model_dims
-    from megatron_rl.megatron_backend.options import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.architecture import model_dims
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.parallel_layout import ParallelLayout
 
     hf = read_checkpoint_hf_config(args.checkpoint) if args.checkpoint else read_hf_config(args.hf_model)
     dims = model_dims(hf)

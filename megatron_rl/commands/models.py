@@ -10,7 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.megatron_backend.models import supported_families
+    from megatron_rl.models import supported_families
 
     families = supported_families()
     rows = [("model_type", "HF class", "supports")]

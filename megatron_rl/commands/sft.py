@@ -21,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_input_paths(cfg)  # model, tokenizer and data files exist: fail before the model is built
-    from megatron_rl.trainer.run_dir import resume_command
+    from megatron_rl.trainer.guards.stop_signals import TrainingAborted
+    from megatron_rl.trainer.logs.run_dir import resume_command
     from megatron_rl.trainer.sft_only import sft
-    from megatron_rl.trainer.stop_signals import TrainingAborted
     from megatron_rl.trainer.warmup import SFT_PLOT
 
     command = resume_command(cfg, args.config, args.overrides).replace("megatron-rl train ", "megatron-rl sft ", 1)

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ValueError("a config file is required, e.g. megatron-rl train examples/tiny_moe_gspo.yaml")
     from megatron_rl.api import train
-    from megatron_rl.trainer.stop_signals import TrainingAborted, under_torchrun
+    from megatron_rl.trainer.guards.stop_signals import TrainingAborted, under_torchrun
 
     try:
         result = train(args.config, args.overrides, verbose=args.verbose)
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         # as a failed worker (a ChildFailedError report) when the signal reached the workers only.
         return 0 if under_torchrun() else 128 + result.stopped_by
     if result.history:
-        from megatron_rl.trainer.plots import eval_headlines
+        from megatron_rl.trainer.logs.plots import eval_headlines
 
         last = result.history[-1]
         headlines = eval_headlines({k for row in result.history for k in row}).values()

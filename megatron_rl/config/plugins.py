@@ -52,11 +52,11 @@ def check_plugins(cfg: RLConfig) -> None:
     """Resolve every plugin `cfg` names (the rewards of `data.reward`, `rollout.env` with the tools and tool-call
     format in `rollout.env_options`, `rollout.generate_fn`): one ConfigError listing each that does not resolve. Run
     before anything is built or planned; plugin modules must be imported (`import_plugins`) first."""
-    from megatron_rl.rollout.env import get_env, get_generate_fn
+    from megatron_rl.rollout.agent.env import get_env, get_generate_fn
+    from megatron_rl.rollout.agent.tool_calls import TOOL_CALL_FORMATS
+    from megatron_rl.rollout.agent.tools import TOOLS
     from megatron_rl.rollout.plugins import lookup
     from megatron_rl.rollout.rewards import get_reward
-    from megatron_rl.rollout.tool_calls import TOOL_CALL_FORMATS
-    from megatron_rl.rollout.tools import TOOLS
 
     errors: list[str] = []
 

@@ -1,9 +1,9 @@
 """The configuration tree of a training run: one frozen dataclass per section, every field with help text.
 
     RLConfig
-      model      ModelConfig      (options: megatron_backend.options.ModelOptions)
-      parallel   ParallelLayout   (megatron_backend.parallel_layout)
-      optimizer  OptimizerOptions (megatron_backend.options)
+      model      ModelConfig      (options: config.options.ModelOptions)
+      parallel   ParallelLayout   (megatron_rl.parallel_layout)
+      optimizer  OptimizerOptions (config.options)
       algo       AlgoConfig
       rollout    RolloutConfig    (sampling: rollout.engine.SamplingParams, sglang: SGLangConfig)
       data       DataConfig
@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from megatron_rl.megatron_backend.options import ModelOptions, OptimizerOptions
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.config.options import ModelOptions, OptimizerOptions
+from megatron_rl.parallel_layout import ParallelLayout
+from megatron_rl.rollout.agent.multi_turn import TurnLimits
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.multi_turn import TurnLimits
 
 PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
 

@@ -16,7 +16,7 @@ from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.kernels import packed_gspo_applies
-from megatron_rl.megatron_backend.models.architecture import is_moe
+from megatron_rl.models.architecture import is_moe
 from megatron_rl.models.hf_config import read_hf_config_if_present
 
 # Engines that can return the experts each token was routed to (needed by R3).

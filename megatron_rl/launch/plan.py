@@ -20,9 +20,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.megatron_backend.models.architecture import model_dims
-from megatron_rl.megatron_backend.models.family import ModelDims, UnsupportedModelError, get_family
-from megatron_rl.megatron_backend.parallel_layout import LayoutError
+from megatron_rl.models.architecture import model_dims
+from megatron_rl.models.family import ModelDims, UnsupportedModelError, get_family
+from megatron_rl.parallel_layout import LayoutError
 
 GiB = 2**30
 PCIE_GB_PER_S = 25.0

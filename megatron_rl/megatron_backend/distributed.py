@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout, ResolvedLayout
+from megatron_rl.models.family import ModelDims
 from megatron_rl.net import free_port
+from megatron_rl.parallel_layout import ParallelLayout, ResolvedLayout
 
 
 def init_distributed(

@@ -156,8 +156,8 @@ class PromptData:
 
 # The built-in tasks (`data.train` / `data.eval` names): digit reversal (the demo) and the tool-use task.
 SYNTHETIC_TASKS = {
-    "synthetic": "megatron_rl.rollout.synthetic_task:SyntheticTask",
-    "synthetic_tool": "megatron_rl.rollout.synthetic_tool_task:ToolTask",
+    "synthetic": "megatron_rl.rollout.tasks.synthetic_task:SyntheticTask",
+    "synthetic_tool": "megatron_rl.rollout.tasks.synthetic_tool_task:ToolTask",
 }
 
 
@@ -203,7 +203,7 @@ def _generate_batch(cfg: RLConfig, tokenizer: Any):
     rollout = cfg.rollout
     if rollout.env is None and rollout.generate_fn is None:
         return generate_single_turn
-    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+    from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout
 
     return MultiTurnRollout(
         tokenizer, rollout.turns, env=rollout.env, env_options=rollout.env_options, generate_fn=rollout.generate_fn

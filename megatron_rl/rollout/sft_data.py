@@ -20,7 +20,7 @@ from typing import Any
 
 from megatron_rl.data.readers import read_rows
 from megatron_rl.data.rows import MISSING, lookup
-from megatron_rl.rollout.synthetic_task import SFTPair
+from megatron_rl.rollout.tasks.synthetic_task import SFTPair
 
 MESSAGES_KEY = "messages"  # TRL's conversational SFT column, used when the prompt column is absent
 

@@ -25,7 +25,7 @@ from megatron_rl.routing.replay import ReplayMode
 
 
 class RouteShape(Protocol):
-    """What routes look like for a model (`megatron_backend.models.family.ModelDims` is one)."""
+    """What routes look like for a model (`megatron_rl.models.family.ModelDims` is one)."""
 
     @property
     def top_k(self) -> int: ...

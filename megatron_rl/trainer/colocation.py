@@ -25,7 +25,7 @@ import time
 
 from megatron_rl.megatron_backend import platform
 from megatron_rl.rollout.engine import RolloutEngineError
-from megatron_rl.rollout.engine_memory import CACHE_TAGS, MEMORY_TAGS
+from megatron_rl.rollout.engines.engine_memory import CACHE_TAGS, MEMORY_TAGS
 
 __all__ = ["ColocatedMemory"]
 

@@ -17,21 +17,21 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.evaluation.runner import Evaluator
+from megatron_rl.formats.checkpoint_format import is_complete, latest_checkpoint
 from megatron_rl.jsonl import replace_jsonl
-from megatron_rl.megatron_backend import checkpoint as checkpoints
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.checkpoint_format import is_complete, latest_checkpoint
+from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoints
 from megatron_rl.megatron_backend.distributed import shutdown
-from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
+from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
-from megatron_rl.rollout.engine_factory import build_engine
+from megatron_rl.rollout.engines.engine_factory import build_engine
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
-from megatron_rl.trainer.input_guards import check_positions
+from megatron_rl.trainer.guards.input_guards import check_positions
+from megatron_rl.trainer.logs.sample_log import eval_rows
 from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
 from megatron_rl.trainer.rollout_phase import sync_weights
-from megatron_rl.trainer.sample_log import eval_rows
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"

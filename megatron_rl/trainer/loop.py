@@ -26,10 +26,12 @@ from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.evaluation.runner import Evaluator
-from megatron_rl.megatron_backend import checkpoint, platform
-from megatron_rl.megatron_backend.actor import MegatronActor
-from megatron_rl.megatron_backend.batch import LossFn
-from megatron_rl.megatron_backend.dist_checkpoint_files import check_checkpoint_files
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.actor.batch import LossFn
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+from megatron_rl.megatron_backend.actor.reference import ReferenceWeights, reference_from_hf
+from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
+from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import (
     broadcast_object,
     data_parallel_rank_and_size,
@@ -37,22 +39,25 @@ from megatron_rl.megatron_backend.distributed import (
     shutdown,
     sum_over_data_parallel,
 )
-from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
-from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
-from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.megatron_backend.reference import ReferenceWeights, reference_from_hf
+from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
+from megatron_rl.models.architecture import max_positions, model_dims
+from megatron_rl.models.family import ModelDims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.engine_factory import build_engine
+from megatron_rl.rollout.engines.engine_factory import build_engine
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer import run_dir
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
-from megatron_rl.trainer.fidelity_guard import FidelityGuard, FidelityStop
-from megatron_rl.trainer.input_guards import check_positions, check_tokenizer
+from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard, FidelityStop
+from megatron_rl.trainer.guards.input_guards import check_positions, check_tokenizer
+from megatron_rl.trainer.guards.stop_signals import StopSignals
+from megatron_rl.trainer.guards.sync_verification import SyncVerifier, build_verifier
+from megatron_rl.trainer.logs import run_dir
+from megatron_rl.trainer.logs.run_log import RunLog, run_header
+from megatron_rl.trainer.logs.sample_log import SampleLog
 from megatron_rl.trainer.old_policy_scores import score_old_and_reference
 from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rl_loss import build_rl_loss
@@ -64,12 +69,8 @@ from megatron_rl.trainer.rollout_phase import (
     sync_or_defer,
     sync_weights,
 )
-from megatron_rl.trainer.run_log import RunLog, run_header
-from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.step_metrics import mismatch_metrics, mismatch_sums, update_metrics
 from megatron_rl.trainer.step_plan import RankRows, plan_step
-from megatron_rl.trainer.stop_signals import StopSignals
-from megatron_rl.trainer.sync_verification import SyncVerifier, build_verifier
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.megatron_backend.actor import MegatronActor
-from megatron_rl.megatron_backend.batch import TokenBatch
-from megatron_rl.megatron_backend.reference import ReferenceWeights
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
 from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.routing.step_routes import StepRoutes
 from megatron_rl.trainer.step_plan import RankRows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.routing.cache import padding_routes
 

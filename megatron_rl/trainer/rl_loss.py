@@ -16,7 +16,7 @@ from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, poli
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.schema import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
-from megatron_rl.megatron_backend.batch import LossFn, TokenBatch
+from megatron_rl.megatron_backend.actor.batch import LossFn, TokenBatch
 
 
 def build_rl_loss(algo: AlgoConfig) -> LossFn:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object, scatter_by_data_parallel_rank
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.sample import Sample
@@ -28,7 +28,7 @@ from megatron_rl.trainer.step_metrics import rollout_metrics
 from megatron_rl.trainer.step_plan import StepPlan
 
 if TYPE_CHECKING:
-    from megatron_rl.trainer.sync_verification import SyncVerifier
+    from megatron_rl.trainer.guards.sync_verification import SyncVerifier
 
 
 class RolloutSource(Protocol):

@@ -9,15 +9,16 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.megatron_backend import checkpoint, platform
+from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.distributed import broadcast_object, shutdown
-from megatron_rl.megatron_backend.hf_export import save_hf_checkpoint
-from megatron_rl.megatron_backend.models.architecture import max_positions, model_dims
+from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
+from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import open_sft_source
-from megatron_rl.trainer import run_dir
+from megatron_rl.trainer.guards.stop_signals import StopSignals
+from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, init_process_groups, load_tokenizer, prepare_model_dir
-from megatron_rl.trainer.stop_signals import StopSignals
 from megatron_rl.trainer.warmup import SFT_METRICS, WarmupRun, check_warmup_data, read_sft_metrics, run_warmup
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from megatron_rl.algorithms import kl_penalty
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 
 
 def rollout_metrics(rollout: Any) -> dict[str, float]:

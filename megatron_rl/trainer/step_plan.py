@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.megatron_backend.balance import balanced_partition, imbalance
-from megatron_rl.megatron_backend.batch import DPShare, TokenBatch
+from megatron_rl.megatron_backend.actor.balance import balanced_partition, imbalance
+from megatron_rl.megatron_backend.actor.batch import DPShare, TokenBatch
 from megatron_rl.trainer.rl_batch import select
 
 

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.megatron_backend import checkpoint
-from megatron_rl.megatron_backend.actor import MegatronActor
-from megatron_rl.megatron_backend.batch import TokenBatch
-from megatron_rl.trainer.stop_signals import StopSignals
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
+from megatron_rl.trainer.guards.stop_signals import StopSignals
 
 SFT_METRICS = "sft_metrics.jsonl"  # one row per warm-up step: sft_step, sft/nll, sft/tokens, time/sft_step
 SFT_PLOT = "sft_nll.png"

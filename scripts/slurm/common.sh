@@ -66,9 +66,9 @@ wait_healthy() {  # wait_healthy URL PATH PID: until URL+PATH answers, the proce
 # launcher that starts a server or router with that key; RUN_DIR and the repository are on a shared filesystem).
 make_api_key() {
     API_KEY_FILE="$RUN_DIR/.rollout_api_key"
-    "$PYTHON" -c "import sys; from megatron_rl.rollout.api_key import create_api_key_file as c; c(sys.argv[1])" \
+    "$PYTHON" -c "import sys; from megatron_rl.rollout.sglang.api_key import create_api_key_file as c; c(sys.argv[1])" \
         "$API_KEY_FILE"
-    KEYED_LAUNCH="$("$PYTHON" -c "import megatron_rl.rollout.sglang_keyed_launch as m; print(m.__file__)")"
+    KEYED_LAUNCH="$("$PYTHON" -c "import megatron_rl.rollout.sglang.sglang_keyed_launch as m; print(m.__file__)")"
 }
 
 # start_sglang_servers "NODE_INDICES": PLAN_SERVERS_PER_NODE servers on each listed node (each on

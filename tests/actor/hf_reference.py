@@ -13,7 +13,7 @@ def hf_score(model_dir: Path, samples: list[dict]) -> list[dict]:
     recorded as the local engine records them)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.megatron_backend.models.architecture import route_recorder
+    from megatron_rl.models.architecture import route_recorder
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     caught: list[torch.Tensor] = []

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from megatron_rl.megatron_backend.balance import (
+from megatron_rl.megatron_backend.actor.balance import (
     Method,
     balanced_partition,
     imbalance,
@@ -162,7 +162,7 @@ def test_micro_batch_count_is_exactly_the_larger_of_min_count_and_the_minimum() 
 def test_halving_fallback_keeps_the_budget() -> None:
     """The fallback for a `min_count` no fit reaches (not met on any random case tried): halve the heaviest
     micro-batch of two or more samples, then add empty ones."""
-    from megatron_rl.megatron_backend.balance import _halve_heaviest
+    from megatron_rl.megatron_backend.actor.balance import _halve_heaviest
 
     costs = [5.0, 4.0, 3.0, 2.0, 9.0]
     assert _halve_heaviest([[0, 1, 2, 3], [4]], costs, 3) == [[4], [0, 3], [1, 2]]

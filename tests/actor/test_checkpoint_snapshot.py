@@ -14,7 +14,7 @@ def test_snapshot_is_the_state_at_the_save_and_reuses_its_buffers() -> None:
     platform.bridge_cpu()
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
-    from megatron_rl.megatron_backend.background_writer import HostSnapshot
+    from megatron_rl.megatron_backend.checkpoint.background_writer import HostSnapshot
 
     weight, moment, scalar = torch.arange(6.0).reshape(2, 3), torch.ones(4), torch.tensor(3.0)
     groups = [{"lr": 0.1, "betas": (0.9, 0.95)}]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.offload import StorageOffload
+from megatron_rl.megatron_backend.actor.offload import StorageOffload
 from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 
 # ---------------------------------------------------------------------------------- StorageOffload
@@ -82,9 +82,9 @@ def test_misuse_raises() -> None:
 
 
 def _actor(model: Path, *, train: bool = True, distributed_optimizer: bool = True, dtype: str = "fp32"):
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.parallel_layout import ParallelLayout
 
     optimizer = OptimizerOptions(lr=1e-3, distributed_optimizer=distributed_optimizer) if train else None
     return MegatronActor.from_hf(
@@ -97,7 +97,7 @@ def _actor(model: Path, *, train: bool = True, distributed_optimizer: bool = Tru
 
 
 def _batch():
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
 
     gen = torch.Generator().manual_seed(3)
     b, s = 6, 20

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_rl.config import ConfigError, load_config
-from megatron_rl.megatron_backend.options import OptimizerOptions
-from megatron_rl.megatron_backend.training_setup import (
+from megatron_rl.config.options import OptimizerOptions
+from megatron_rl.megatron_backend.actor.training_setup import (
     check_optimizer_platform,
     optimizer_config_fields,
     zero_optimizer_state,
@@ -151,9 +151,9 @@ needs_offload_platform = pytest.mark.skipif(
 
 def _actor(model: Path, **optimizer):
     from megatron_rl.megatron_backend import platform
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.parallel_layout import ParallelLayout
 
     if optimizer.get("precision_aware") and not platform.transformer_engine_available():
         pytest.skip("the precision-aware optimizer needs Transformer Engine")
@@ -179,7 +179,7 @@ def test_offloaded_optimizer_trains_like_the_resident_one(tiny_moe_dir: Path) ->
     the first update's loss is the same number (nothing has stepped yet)."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    from megatron_rl.megatron_backend.training_setup import inner_optimizers
+    from megatron_rl.megatron_backend.actor.training_setup import inner_optimizers
     from tests.actor.test_offload import _batch, _loss_fn
 
     resident = _actor(tiny_moe_dir)
@@ -209,7 +209,7 @@ def test_offloaded_optimizer_trains_like_the_resident_one(tiny_moe_dir: Path) ->
 def test_checkpoint_resume_with_the_offloaded_optimizer_is_exact(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """Two updates, save, two more; a fresh offloaded actor loaded from the checkpoint makes the same two
     updates bit for bit (the host optimizer's fp32 main parameters, moments and step come back)."""
-    from megatron_rl.megatron_backend.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.megatron_backend.checkpoint.dist_checkpoint import load_checkpoint, save_checkpoint
     from tests.actor.test_offload import _batch, _loss_fn
 
     options = dict(cpu_offload=True, precision_aware=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.packing import Packing
+from megatron_rl.megatron_backend.actor.packing import Packing
 
 
 def test_pack_and_unpack_by_hand() -> None:

@@ -1,4 +1,5 @@
-"""A checkpoint's RNG files are read with torch's restricted unpickler (megatron_backend/rng_state_file.py): the
+"""A checkpoint's RNG files are read with torch's restricted unpickler
+(megatron_backend/checkpoint/rng_state_file.py): the
 files every checkpoint of this project has written load unchanged, a crafted one that would run code is refused
 by name without running it, and anything that is not an RNG state is refused by name."""
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.checkpoint_format import DamagedCheckpointError, rng_file
-from megatron_rl.megatron_backend.rng_state_file import read_rng_state
+from megatron_rl.formats.checkpoint_format import DamagedCheckpointError, rng_file
+from megatron_rl.megatron_backend.checkpoint.rng_state_file import read_rng_state
 
 
 class ShellPayload:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.batch import TokenBatch, split_by_token_budget
+from megatron_rl.megatron_backend.actor.batch import TokenBatch, split_by_token_budget
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.trainer.rl_loss_by_hand import PRESET_OF, hand_step, rl_algo
@@ -88,7 +88,7 @@ def _by_checkpoint_name(named: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def _megatron_grads_as_hf(actor) -> dict[str, torch.Tensor]:
     """The actor's accumulated gradients, renamed and reshaped to HF tensors by the family's weight map."""
-    from megatron_rl.megatron_backend.hf_weights import local_params
+    from megatron_rl.megatron_backend.weights.hf_weights import local_params
 
     weights = actor.family.weight_map(actor.hf_config)
     builder = weights.hf_tensor_builder(actor.dims.vocab_size)  # cuts Megatron's vocabulary padding
@@ -104,9 +104,9 @@ def test_train_step_gradient_equals_transformers_autograd(tiny_moe_dir: Path, ag
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.options import OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.config.options import OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.parallel_layout import ParallelLayout
 
     actor = MegatronActor.from_hf(
         tiny_moe_dir,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.megatron.dist_harness import run_torchrun
 
@@ -54,9 +54,9 @@ def nan_gradient_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb:
 
 
 def _actor(model_dir: Path):
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.options import OptimizerOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.config.options import OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.parallel_layout import ParallelLayout
 
     options = OptimizerOptions(lr=1e-2, clip_grad=1.0)  # a large LR: the clip is active (norm > 1)
     return MegatronActor.from_hf(model_dir, ParallelLayout(), optimizer_options=options, micro_batch_tokens=64)
@@ -74,7 +74,7 @@ def _adam_state(actor) -> list[torch.Tensor]:
 def _old_update(actor, b: TokenBatch, loss_fn) -> float:
     """The update as `MegatronActor._update` made it before the check was folded into the norm: a pass over
     every gradient bucket (`find_nonfinite`), then Megatron's whole `optimizer.step()`."""
-    from megatron_rl.megatron_backend.update_metrics import find_nonfinite
+    from megatron_rl.megatron_backend.actor.update_metrics import find_nonfinite
 
     for chunk in actor.chunks:
         chunk.train()
@@ -126,7 +126,7 @@ def test_update_equals_megatrons_own_step(tiny_moe_dir: Path) -> None:
 
 @pytest.mark.usefixtures("megatron_world")
 def test_nan_gradient_with_finite_losses_stops_or_is_skipped(tiny_moe_dir: Path) -> None:
-    from megatron_rl.megatron_backend.update_metrics import NonFiniteError
+    from megatron_rl.megatron_backend.actor.update_metrics import NonFiniteError
 
     actor = _actor(tiny_moe_dir)
     actor.train_step(batch(), pg_loss)
@@ -142,7 +142,7 @@ def test_nan_gradient_with_finite_losses_stops_or_is_skipped(tiny_moe_dir: Path)
 
 @pytest.mark.usefixtures("megatron_world")
 def test_nan_loss_names_its_micro_batch(tiny_moe_dir: Path) -> None:
-    from megatron_rl.megatron_backend.update_metrics import NonFiniteError
+    from megatron_rl.megatron_backend.actor.update_metrics import NonFiniteError
 
     calls = []
 

@@ -20,7 +20,7 @@ from megatron_rl.config import (
     to_dict,
 )
 from megatron_rl.config.schema import LoggingConfig
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.parallel_layout import ParallelLayout
 from megatron_rl.rollout.engine import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, check_input_paths, load_config
 from megatron_rl.config.plugins import check_plugins
-from megatron_rl.rollout.env import get_env, get_generate_fn
+from megatron_rl.rollout.agent.env import get_env, get_generate_fn
+from megatron_rl.rollout.agent.tools import TOOLS
 from megatron_rl.rollout.rewards import get_reward
-from megatron_rl.rollout.tools import TOOLS
 
 REPO = Path(__file__).parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.megatron_backend import conversion
-from megatron_rl.megatron_backend.conversion import hf_to_megatron, megatron_to_hf
+from megatron_rl.megatron_backend.weights import conversion
+from megatron_rl.megatron_backend.weights.conversion import hf_to_megatron, megatron_to_hf
 from tests.actor.hf_reference import hf_score, make_samples
 from tests.megatron.dist_harness import run_torchrun
 

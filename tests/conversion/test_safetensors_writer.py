@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_rl.megatron_backend import checkpoint_format as fmt
-from megatron_rl.megatron_backend.safetensors_files import INDEX, safetensors_weight_map, write_safetensors_dir
+from megatron_rl.formats import checkpoint_format as fmt
+from megatron_rl.formats.safetensors_files import INDEX, safetensors_weight_map, write_safetensors_dir
 
 
 def _buckets() -> list[list[tuple[str, torch.Tensor]]]:

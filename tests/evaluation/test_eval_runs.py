@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.rollout.synthetic_task import synthetic_reward
+from megatron_rl.rollout.tasks.synthetic_task import synthetic_reward
 from tests.shared_runs import EXAMPLE
 
 CLI = [sys.executable, "-m", "megatron_rl.cli"]

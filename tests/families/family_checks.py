@@ -103,8 +103,8 @@ def check_family(model_dir: Path, tmp: Path, layouts: list[dict] | None = None) 
 def check_conversion_round_trip(model_dir: Path, tmp: Path) -> None:
     """HF -> Megatron distributed checkpoint -> HF gives every tensor of the checkpoint back bitwise (tensors the
     family does not use, such as MTP layers, included)."""
-    from megatron_rl.megatron_backend.conversion import hf_to_megatron, megatron_to_hf
-    from megatron_rl.megatron_backend.hf_weights import SafetensorsIndex
+    from megatron_rl.megatron_backend.weights.conversion import hf_to_megatron, megatron_to_hf
+    from megatron_rl.megatron_backend.weights.hf_weights import SafetensorsIndex
 
     hf_to_megatron(model_dir, tmp / "megatron")
     megatron_to_hf(tmp / "megatron", tmp / "hf")

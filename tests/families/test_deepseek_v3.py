@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family
+from megatron_rl.models import UnsupportedModelError, get_family
 from tests.families.family_checks import TOL_HF, check_conversion_round_trip, check_family
 from tests.families.mtp_layer import add_mtp_layer
 from tests.families.tiny_deepseek_v3 import build_tiny_deepseek_v3
@@ -90,10 +90,10 @@ def test_conversion_round_trip_is_bitwise_and_keeps_the_mtp_layer(tiny_models: d
 
 def _megatron_model(model_dir: Path):
     """The tiny model on one process with routing replay, weights loaded from the checkpoint."""
-    from megatron_rl.megatron_backend.hf_weights import load_hf_weights
-    from megatron_rl.megatron_backend.model_builder import build_model
-    from megatron_rl.megatron_backend.options import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.megatron_backend.actor.model_builder import build_model
+    from megatron_rl.megatron_backend.weights.hf_weights import load_hf_weights
+    from megatron_rl.parallel_layout import ParallelLayout
 
     hf = json.loads((model_dir / "config.json").read_text())
     chunks, config = build_model(hf, ParallelLayout(), ModelOptions(routing_replay=True))
@@ -104,7 +104,7 @@ def _megatron_model(model_dir: Path):
 @pytest.fixture(scope="module")
 def megatron_world():
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     init_distributed(ParallelLayout(), seed=1234)
     yield
@@ -223,7 +223,7 @@ def test_te_spec_refuses_what_its_fused_latent_norms_compute_differently() -> No
     platform.prepare_megatron_import()
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from megatron_rl.megatron_backend.models.mla import mla_layer_spec
+    from megatron_rl.models.mla import mla_layer_spec
 
     moonlight_eps = SimpleNamespace(q_lora_rank=1536, layernorm_epsilon=1e-5)
     with pytest.raises(UnsupportedModelError, match=r"rms_norm_eps=1e-05 with the Transformer Engine spec"):
@@ -241,7 +241,7 @@ def test_planner_counts_mla_parameters_and_its_compressed_kv_cache(tiny_models: 
 
     from megatron_rl.config.loader import load_config
     from megatron_rl.launch.plan import ClusterSpec, kv_cache_token_bytes, make_plan
-    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.models.architecture import model_dims
 
     hf = json.loads((tiny_models[variant] / "config.json").read_text())
     repo = Path(__file__).resolve().parents[2]

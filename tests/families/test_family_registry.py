@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family, supported_families
-from megatron_rl.megatron_backend.models.mapping import (
+from megatron_rl.models import UnsupportedModelError, get_family, supported_families
+from megatron_rl.models.mapping import (
     GatedMLPMapping,
     Mapping,
     QKVMapping,

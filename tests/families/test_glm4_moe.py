@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.megatron_backend.hf_weights import SafetensorsIndex
-from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family
-from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.megatron_backend.weights.hf_weights import SafetensorsIndex
+from megatron_rl.models import UnsupportedModelError, get_family
+from megatron_rl.models.architecture import model_dims
 from tests.families.family_checks import check_conversion_round_trip, check_family
 from tests.families.mtp_layer import add_mtp_layer
 from tests.families.tiny_glm4_moe import AIR_LIKE, FULL, make_tiny_glm4_moe
@@ -128,11 +128,11 @@ def test_rl_updates_keep_the_checkpoints_expert_bias(tmp_path: Path, capfd: pyte
     from megatron_rl.megatron_backend import platform
 
     platform.prepare_megatron_import()
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     model_dir = add_mtp_layer(make_tiny_glm4_moe(tmp_path / "plain", AIR_LIKE), tmp_path / "with_mtp")
     ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.models import UnsupportedModelError, get_family
-from megatron_rl.megatron_backend.models.gpt_oss import (
+from megatron_rl.models import UnsupportedModelError, get_family
+from megatron_rl.models.gpt_oss import (
     InterleavedGLUMapping,
     TransposedMapping,
     config_attributes,
@@ -75,7 +75,7 @@ def test_local_engine_generation_scores_like_a_full_forward(tiny: Path) -> None:
     window) gives each token the log-prob and experts a full forward of the finished sequence gives: the R3 routes
     the trainer replays come from the family's recorder on `mlp.router`."""
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.local_engine import LocalEngine
+    from megatron_rl.rollout.engines.local_engine import LocalEngine
 
     engine = LocalEngine(tiny, stop_on_eos=False)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22]]

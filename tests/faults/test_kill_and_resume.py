@@ -281,7 +281,7 @@ def test_resume_command_outside_torchrun_and_under_slurm(monkeypatch: pytest.Mon
     """The plain command drops trainer.resume/overwrite overrides and adds trainer.resume=auto; under SLURM the line
     says to resubmit the job first; a torchrun worker whose agent cannot be read says to keep torchrun's options."""
     from megatron_rl.config import load_config
-    from megatron_rl.trainer.run_dir import resume_command
+    from megatron_rl.trainer.logs.run_dir import resume_command
 
     monkeypatch.chdir(REPO)
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):

@@ -157,7 +157,7 @@ def test_planner_counts_the_architecture_its_model_family_describes() -> None:
     biases, a gated shared expert and no QK-norm; the planner's parameter count equals transformers' own model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_rl.megatron_backend.models.architecture import model_dims
+    from megatron_rl.models.architecture import model_dims
 
     hf = dict(
         model_type="qwen2_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

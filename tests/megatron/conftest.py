@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout, ResolvedLayout
+from megatron_rl.parallel_layout import ParallelLayout, ResolvedLayout
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The grouped experts (`model.options.experts=grouped`, models/grouped_experts.py) compute what Megatron's
-`SequentialMLP` computes, with the same parameters and checkpoint layout.
+"""The grouped experts (`model.options.experts=grouped`, megatron_backend/layers/grouped_experts.py) compute
+what Megatron's `SequentialMLP` computes, with the same parameters and checkpoint layout.
 
 Measured (CPU, torch 2.13, megatron-core 0.16.1): on the tiny Qwen3-MoE in fp32 and bf16, at TP=1, EP=2 and
 TP=2 with expert TP 2, the logits and every parameter's gradient are bitwise equal (max |difference| 0). On the
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.model_builder import use_grouped_experts
-from megatron_rl.megatron_backend.options import ModelOptions
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.config.options import ModelOptions
+from megatron_rl.megatron_backend.actor.model_builder import use_grouped_experts
+from megatron_rl.parallel_layout import ParallelLayout
 from tests.families.tiny_gpt_oss import build_tiny_gpt_oss
 from tests.megatron.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.megatron.dist_harness import run_torchrun
@@ -105,7 +105,7 @@ def _experts_pair(hidden: int, ffn: int, experts: int, seed: int) -> tuple[torch
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_rl.megatron_backend.models.grouped_experts import grouped_mlp_class
+    from megatron_rl.megatron_backend.layers.grouped_experts import grouped_mlp_class
 
     config = TransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=experts, moe_router_topk=2,
@@ -138,7 +138,7 @@ def test_both_computations_are_bitwise_sequential(megatron_world, gemm: str, hid
     and the `auto` rule: outputs, the input's and every expert weight's gradient bitwise `SequentialMLP`'s, with
     an expert that gets no token (its weight gradients exactly 0). Hidden 6: rows of 24 bytes, not the 16-byte
     multiple the grouped GEMM requires (fc1's input, fc2's output), so `auto` takes the loop there."""
-    from megatron_rl.megatron_backend.models.grouped_experts import _grouped_mm_runs
+    from megatron_rl.megatron_backend.layers.grouped_experts import _grouped_mm_runs
 
     sequential, grouped = _experts_pair(hidden, 8, 4, seed=hidden)
     counts = torch.tensor([5, 0, 9, 2])
@@ -163,7 +163,7 @@ def test_grouped_gemm_with_frozen_weights_and_the_cpu_stacking_limit(megatron_wo
     """Frozen expert weights: only the input's gradient, still bitwise. On CPU the grouped GEMM is taken while each
     expert's weight fits `CPU_EXPERT_MAX_BYTES` and one projection's stacked weights `CPU_STACK_MAX_BYTES`, the
     loop above either."""
-    from megatron_rl.megatron_backend.models import grouped_experts
+    from megatron_rl.megatron_backend.layers import grouped_experts
 
     sequential, grouped = _experts_pair(64, 8, 4, seed=1)
     for module in (sequential, grouped):

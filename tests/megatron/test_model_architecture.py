@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.megatron_backend.hf_weights import WeightMismatchError
-from megatron_rl.megatron_backend.models.architecture import check_same_architecture, is_moe, model_dims
-from megatron_rl.megatron_backend.models.family import UnsupportedModelError
+from megatron_rl.megatron_backend.weights.hf_weights import WeightMismatchError
+from megatron_rl.models.architecture import check_same_architecture, is_moe, model_dims
+from megatron_rl.models.family import UnsupportedModelError
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, hf_config_dict
 
 QWEN2 = dict(

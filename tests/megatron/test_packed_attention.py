@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.packed_attention import ALONE_FROM, packed_variant
-from megatron_rl.megatron_backend.packing import Packing
+from megatron_rl.megatron_backend.actor.packing import Packing
+from megatron_rl.megatron_backend.layers.packed_attention import ALONE_FROM, packed_variant
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])

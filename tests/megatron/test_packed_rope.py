@@ -1,11 +1,12 @@
-"""The one-pass THD rotary embedding against Megatron's own per-sample path (`megatron_backend/packed_rope.py`)."""
+"""The one-pass THD rotary embedding against Megatron's own per-sample path
+(`megatron_backend/layers/packed_rope.py`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.packed_rope import one_pass_thd, thd_frequencies
+from megatron_rl.megatron_backend.layers.packed_rope import one_pass_thd, thd_frequencies
 
 
 class OneRank:

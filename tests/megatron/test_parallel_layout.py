@@ -1,4 +1,4 @@
-"""Tests for `megatron_rl.megatron_backend.parallel_layout`: derived degrees, every error path, the
+"""Tests for `megatron_rl.parallel_layout`: derived degrees, every error path, the
 config kwargs Megatron accepts, and a 2-rank torchrun smoke test in which TP=2+SP, EP=2, PP=2,
 PP=2 x VPP=2 and DP=2 with the distributed optimizer reproduce the single-process trajectory."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.megatron_backend.parallel_layout import LayoutError, ParallelLayout, propose_uneven_split
+from megatron_rl.parallel_layout import LayoutError, ParallelLayout, propose_uneven_split
 
 # --------------------------------------------------------------------------------------
 # Derived degrees

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
 from megatron_rl.megatron_backend.platform import mcore_compat
+from megatron_rl.parallel_layout import ParallelLayout
 
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 

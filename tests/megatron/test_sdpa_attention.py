@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.packed_attention import packed_variant
-from megatron_rl.megatron_backend.packing import Packing
-from megatron_rl.megatron_backend.sdpa_attention import sdpa_variant
+from megatron_rl.megatron_backend.actor.packing import Packing
+from megatron_rl.megatron_backend.layers.packed_attention import packed_variant
+from megatron_rl.megatron_backend.layers.sdpa_attention import sdpa_variant
 
 
 def _config(heads: int, groups: int, **kw):
@@ -85,7 +85,7 @@ def test_query_key_layer_scaling_and_custom_softmax_scale(megatron_world) -> Non
 
 
 def test_mla_value_width_and_thd_padded_value(megatron_world) -> None:
-    from megatron_rl.megatron_backend.models.mla import _local_mla_classes
+    from megatron_rl.megatron_backend.layers.mla import _local_mla_classes
 
     mla_core = _local_mla_classes()[1]
     unfused, sdpa = _pair(mla_core, _config(4, 4), k_channels=8, v_channels=6, softmax_scale=0.29)
@@ -151,10 +151,10 @@ def test_sinks_and_sliding_windows(megatron_world, softmax_type: str) -> None:
 
 
 def test_tiny_qwen3_moe_log_probs_sdpa_vs_unfused(megatron_world, tiny_moe_dir: Path) -> None:
-    from megatron_rl.megatron_backend.actor import MegatronActor
-    from megatron_rl.megatron_backend.batch import TokenBatch
-    from megatron_rl.megatron_backend.options import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.parallel_layout import ParallelLayout
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(4, 100, (6, 24), generator=gen)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.megatron_backend.options import ModelOptions
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.config.options import ModelOptions
+from megatron_rl.parallel_layout import ParallelLayout
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def test_expert_bias_is_frozen_unless_the_update_rate_is_set() -> None:
     """DeepSeek-V3's score-correction bias: Megatron's default rate (1e-3) would move routing on every RL update."""
     from transformers import AutoConfig
 
-    from megatron_rl.megatron_backend.model_builder import transformer_config
+    from megatron_rl.megatron_backend.actor.model_builder import transformer_config
 
     deepseek = AutoConfig.for_model("deepseek_v3").to_dict()  # the 671B config; nothing is allocated
     frozen = transformer_config(deepseek, ParallelLayout(), ModelOptions())
@@ -38,7 +38,7 @@ def test_biased_experts_need_expert_tensor_parallelism_1() -> None:
     """GPT-OSS: Megatron-Core supports expert biases only with expert TP 1; the error names parallel.etp."""
     from transformers import AutoConfig
 
-    from megatron_rl.megatron_backend.model_builder import transformer_config
+    from megatron_rl.megatron_backend.actor.model_builder import transformer_config
 
     gpt_oss = AutoConfig.for_model("gpt_oss").to_dict()
     with pytest.raises(ValueError, match=r"experts have biases.*expert TP 2.*set parallel.etp=1"):

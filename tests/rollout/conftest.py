@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.tiny_model import build_char_tokenizer, make_tiny_qwen3_moe
 
 
@@ -33,7 +33,7 @@ def engine(tiny_dir: Path) -> LocalEngine:
 def kernel_isolation() -> None:
     """Skips a test of the python tool where bubblewrap cannot make a sandbox; fails it under CI=true (.ci/run
     installs bubblewrap)."""
-    from megatron_rl.rollout.tools.isolation import IsolationUnavailable, probe
+    from megatron_rl.rollout.agent.tools.isolation import IsolationUnavailable, probe
 
     try:
         probe("bwrap", sys.executable)

@@ -8,10 +8,10 @@ import pytest
 
 from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
-from megatron_rl.rollout.synthetic_task import SyntheticTask
+from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask
 
 N = 4
 

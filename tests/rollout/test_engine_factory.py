@@ -1,4 +1,5 @@
-"""`rollout/engine_factory.py`: the SGLang flags a config implies, and the models SGLang would serve differently."""
+"""`rollout/engines/engine_factory.py`: the SGLang flags a config implies, and the models SGLang would serve
+differently."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.rollout.engine_factory import build_engine, sglang_server_flags
+from megatron_rl.rollout.engines.engine_factory import build_engine, sglang_server_flags
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
 
 
@@ -33,7 +34,7 @@ def test_sglang_refuses_a_gpt_oss_whose_swiglu_alpha_it_would_ignore(tmp_path: P
 
     from transformers import AutoConfig
 
-    from megatron_rl.rollout.engine_factory import refuse_models_sglang_builds_differently
+    from megatron_rl.rollout.engines.engine_factory import refuse_models_sglang_builds_differently
 
     config = AutoConfig.for_model("gpt_oss").to_dict()  # the 20B-like default: swiglu_alpha 1.702, served as is
     (tmp_path / "config.json").write_text(json.dumps(config))

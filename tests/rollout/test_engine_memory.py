@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import RolloutEngineError, SamplingParams
-from megatron_rl.rollout.engine_memory import EngineMemory, check_tags
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.engine_memory import EngineMemory, check_tags
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 PROMPTS = [[3, 4, 5], [6, 7]]

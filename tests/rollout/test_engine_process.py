@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 from megatron_rl.config import load_config
 from megatron_rl.rollout.engine import RolloutEngineError, SamplingParams
-from megatron_rl.rollout.engine_factory import build_engine, local_engine_process
-from megatron_rl.rollout.engine_process import ProcessEngine
-from megatron_rl.rollout.hf_weight_loading import WeightUpdateError
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.engine_factory import build_engine, local_engine_process
+from megatron_rl.rollout.engines.engine_process import ProcessEngine
+from megatron_rl.rollout.engines.hf_weight_loading import WeightUpdateError
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.waiting import wait_until
 
@@ -249,7 +249,7 @@ def test_a_child_that_cannot_build_its_engine_raises_its_error_and_is_reaped(tmp
 def test_the_child_exits_when_its_parent_dies(tiny_dir: Path):
     script = (
         "import os, signal, sys\n"
-        "from megatron_rl.rollout.engine_process import ProcessEngine\n"
+        "from megatron_rl.rollout.engines.engine_process import ProcessEngine\n"
         "if __name__ == '__main__':\n"
         f"    engine = ProcessEngine({str(tiny_dir)!r})\n"
         "    print(engine.pid, flush=True)\n"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout import env as env_module
+from megatron_rl.rollout.agent import env as env_module
+from megatron_rl.rollout.agent.env import Environment, StepResult, get_env, get_generate_fn, register_env
+from megatron_rl.rollout.agent.trajectory import Trajectory, TrajectoryBuilder
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_rl.rollout.env import Environment, StepResult, get_env, get_generate_fn, register_env
 from megatron_rl.rollout.plugins import load_dotted
 from megatron_rl.rollout.prompts import Prompt
-from megatron_rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
 class CountDown:
@@ -74,7 +74,8 @@ def test_the_docstring_environment_is_complete():
     source = env_module.__doc__.split("A complete environment")[1].split("\n", 1)[1]
     code = "\n".join(line[4:] for line in source.splitlines())
     exec(  # noqa: S102 - the documentation's own example, run as written
-        "from megatron_rl.rollout.env import *\nfrom megatron_rl.rollout.prompts import Prompt\n" + code, namespace
+        "from megatron_rl.rollout.agent.env import *\nfrom megatron_rl.rollout.prompts import Prompt\n" + code,
+        namespace,
     )
     try:
         answer = env_module.ENVIRONMENTS["answer_42"]()

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.rollout.hf_weight_loading import HFWeightLoader, WeightUpdateError
+from megatron_rl.rollout.engines.hf_weight_loading import HFWeightLoader, WeightUpdateError
 from megatron_rl.tiny_model import make_tiny_mixtral, make_tiny_qwen2_moe
 
 

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.megatron_backend.models.architecture import model_dims
+from megatron_rl.models.architecture import model_dims
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.hf_weight_loading import WeightUpdateError
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.hf_weight_loading import WeightUpdateError
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
 PROMPTS = [[10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33]]  # different lengths: left padding is exercised

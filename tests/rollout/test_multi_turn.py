@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.rollout.agent.env import StepResult, get_env
+from megatron_rl.rollout.agent.multi_turn import TurnLimits, generate_with_envs
+from megatron_rl.rollout.agent.tool_env import ToolEnv
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.env import StepResult, get_env
-from megatron_rl.rollout.local_engine import LocalEngine
-from megatron_rl.rollout.multi_turn import TurnLimits, generate_with_envs
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
-from megatron_rl.rollout.tool_env import ToolEnv
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
 
@@ -204,8 +204,8 @@ def _answer_reward(sample: Sample, text: str, metadata: dict) -> float:
 def test_collect_batch_makes_multi_turn_samples_with_masks_and_rewards(tokenizer):
     """`collect_batch` with a `MultiTurnRollout`: n trajectories per prompt as grouped `Sample`s whose loss mask is 0
     exactly on the observation, the environment's reward added to the reward function's, the turns decoded."""
+    from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout
     from megatron_rl.rollout.dynamic_sampling import collect_batch
-    from megatron_rl.rollout.multi_turn import MultiTurnRollout
 
     engine = ScriptedEngine(tokenizer, [CALL + "<|im_end|>", "84<|im_end|>"])
     prompts = iter([Prompt("q", tokenizer("12*7?", add_special_tokens=False)["input_ids"], answer="84")] * 2)
@@ -252,8 +252,8 @@ def test_a_tool_without_isolation_is_warned_about_every_step(tmp_path: Path, tok
 
 
 def test_generate_fn_is_called_per_sample_with_its_own_seed(tokenizer):
-    from megatron_rl.rollout.multi_turn import MultiTurnRollout
-    from megatron_rl.rollout.trajectory import TrajectoryBuilder
+    from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout
+    from megatron_rl.rollout.agent.trajectory import TrajectoryBuilder
 
     calls = []
 
@@ -275,7 +275,7 @@ def test_generate_fn_is_called_per_sample_with_its_own_seed(tokenizer):
 
 
 def test_bad_environment_options_are_named_at_start_up(tokenizer):
-    from megatron_rl.rollout.multi_turn import MultiTurnRollout
+    from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout
 
     with pytest.raises(ValueError, match=r"rollout.env_options=\{'tool': \['calculator'\]\} do not fit environment"):
         MultiTurnRollout(tokenizer, TurnLimits(), env="tools", env_options={"tool": ["calculator"]})

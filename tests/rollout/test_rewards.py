@@ -7,9 +7,10 @@ import threading
 
 import pytest
 
-from megatron_rl.rollout import rewards, synthetic_task
+from megatron_rl.rollout import rewards
 from megatron_rl.rollout.rewards import compute_rewards, extract_final_answer, get_reward, math_answer, math_rewards
 from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.tasks import synthetic_task
 
 
 def _sample(text_ids: list[int] | None = None, answer: str = "42", finish: str = "stop", **meta) -> Sample:

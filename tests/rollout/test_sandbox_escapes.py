@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.multi_turn import MultiTurnRollout, TurnLimits
-from megatron_rl.rollout.tool_env import ToolEnv
-from megatron_rl.rollout.tools import isolation
-from megatron_rl.rollout.tools.python_sandbox import UNISOLATED, PythonSandbox
+from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout, TurnLimits
+from megatron_rl.rollout.agent.tool_env import ToolEnv
+from megatron_rl.rollout.agent.tools import isolation
+from megatron_rl.rollout.agent.tools.python_sandbox import UNISOLATED, PythonSandbox
 
 PREFIX = "megatron-rl-trainer-secret-"
 SECRET = PREFIX + secrets.token_hex(16)  # lives in this process's memory, as the SGLang API key in the trainer's

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.rewards import compute_rewards
 from megatron_rl.rollout.sample import Sample
-from megatron_rl.rollout.synthetic_task import SyntheticTask, is_eval_string, synthetic_reward
+from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask, is_eval_string, synthetic_reward
 
 
 def test_prompts_are_seeded_and_resumable(tokenizer):

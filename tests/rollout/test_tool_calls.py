@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.tool_calls import (
+from megatron_rl.rollout.agent.tool_calls import (
     HermesFormat,
     ToolCall,
     ToolCallError,
@@ -84,6 +84,6 @@ def test_results_use_qwen3_template_glue():
 
 def test_format_registry():
     assert isinstance(get_tool_call_format("qwen3"), HermesFormat)
-    assert isinstance(get_tool_call_format("megatron_rl.rollout.tool_calls:HermesFormat"), HermesFormat)
+    assert isinstance(get_tool_call_format("megatron_rl.rollout.agent.tool_calls:HermesFormat"), HermesFormat)
     with pytest.raises(ValueError, match="unknown tool-call format 'mistral'"):
         get_tool_call_format("mistral")

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.tools import get_tool, tool_schema
-from megatron_rl.rollout.tools.calculator import Calculator, evaluate
-from megatron_rl.rollout.tools.python_sandbox import PythonSandbox
+from megatron_rl.rollout.agent.tools import get_tool, tool_schema
+from megatron_rl.rollout.agent.tools.calculator import Calculator, evaluate
+from megatron_rl.rollout.agent.tools.python_sandbox import PythonSandbox
 
 
 # ---------------------------------------------------------------------------------------------- calculator

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_rl.rollout.trajectory import TrajectoryBuilder, Turn
+from megatron_rl.rollout.agent.trajectory import TrajectoryBuilder, Turn
 
 
 def test_hand_built_trajectory_masks_exactly_the_generated_tokens():

@@ -35,11 +35,11 @@ def test_unsafe_options_refused(change: dict, match: str) -> None:
 def test_model_config_refuses_capacity_factor_with_replay(tiny_moe_dir, monkeypatch) -> None:
     import dataclasses
 
-    from megatron_rl.megatron_backend import model_builder
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.models import family
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.actor import model_builder
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.models import family
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.parallel_layout import ParallelLayout
 
     hf = read_hf_config(tiny_moe_dir)
     fam = family.get_family(hf)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
+from megatron_rl.rollout.agent.env import StepResult
+from megatron_rl.rollout.agent.multi_turn import TurnLimits, generate_with_envs
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.env import StepResult
-from megatron_rl.rollout.multi_turn import TurnLimits, generate_with_envs
 from megatron_rl.rollout.prompts import Prompt
-from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.tiny_model import build_char_tokenizer, make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.sglang

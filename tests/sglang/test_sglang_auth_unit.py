@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.api_key import (
+from megatron_rl.rollout.sglang.api_key import (
     client_api_key,
     create_api_key_file,
     launch_api_key_file,
     read_api_key_file,
 )
-from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
+from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
 
 FAKE_SERVER = """
 import json, logging, sys
@@ -145,8 +145,8 @@ def test_weight_sync_store_listens_on_the_trainer_address_only() -> None:
     """The broadcast group's store listens on `master_address`, not on every interface as TCPStore alone."""
     import torch.distributed as dist
 
-    from megatron_rl.rollout.broadcast_store import GuardedStore
-    from megatron_rl.rollout.weight_sync import _listen, _new_process_group
+    from megatron_rl.rollout.sglang.broadcast_store import GuardedStore
+    from megatron_rl.rollout.sglang.weight_sync import _listen, _new_process_group
 
     other = _non_loopback_ipv4()
     if other is None:

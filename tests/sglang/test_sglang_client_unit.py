@@ -15,9 +15,14 @@ import numpy as np
 import pytest
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_engine import SGLangEngine, sampling_params_json
-from megatron_rl.rollout.sglang_server import SGLangServerError, free_port
-from megatron_rl.rollout.weight_sync import DiskWeightSync, TensorWeightSync, serialize_bucket, split_expert_buckets
+from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine, sampling_params_json
+from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, free_port
+from megatron_rl.rollout.sglang.weight_sync import (
+    DiskWeightSync,
+    TensorWeightSync,
+    serialize_bucket,
+    split_expert_buckets,
+)
 
 
 def _item(prompt_len: int, out: list[int], finish: dict, routes: np.ndarray | None) -> dict:

@@ -25,10 +25,10 @@ import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
+from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
+from megatron_rl.rollout.sglang.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
 from megatron_rl.rollout.sync_probe import ProbeTolerance, compare_probe
-from megatron_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.sglang

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.rollout.sync_probe import TOLERANCES
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 

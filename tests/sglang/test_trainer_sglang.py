@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 from tests.waiting import wait_until
 
@@ -182,7 +182,7 @@ def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, m
     import pickle
 
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from megatron_rl.tiny_model import build_char_tokenizer
     from tests.megatron.dist_harness import run_torchrun
 
@@ -215,7 +215,7 @@ def test_trainer_restarts_a_killed_server_and_finishes(sglang_py: str, model_dir
 
     from sglang_cpu_support import cpu_python_wrapper
 
-    from megatron_rl.rollout.sglang_server import free_port
+    from megatron_rl.rollout.sglang.sglang_server import free_port
 
     wrapper = cpu_python_wrapper(tmp_path / "sglang_python", sglang_py)  # the servers' environment only
     port, out = free_port(), tmp_path / "run"
@@ -260,7 +260,7 @@ def test_sglang_serves_an_exported_rl_checkpoint(sglang_py: str, model_dir: Path
     """A checkpoint written by the trainer's checkpoint code after RL updates, exported with `megatron-rl
     convert megatron-to-hf`, served by the real SGLang server: its teacher-forced log-probs match the
     trainer's own scoring of the checkpoint."""
-    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from tests.megatron.dist_harness import run_torchrun
 
     repo = Path(__file__).parents[2]

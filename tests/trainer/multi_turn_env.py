@@ -4,7 +4,7 @@ answers each of the first `turns - 1` model turns with a fixed observation and e
 
 from __future__ import annotations
 
-from megatron_rl.rollout.env import Observation, StepResult
+from megatron_rl.rollout.agent.env import Observation, StepResult
 from megatron_rl.rollout.prompts import Prompt
 
 

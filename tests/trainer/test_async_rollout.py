@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.local_engine import LocalEngine
+from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.partial_rollout import merge_continuation, version_spans
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.tiny_model import make_tiny_qwen3_moe

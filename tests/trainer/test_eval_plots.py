@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from megatron_rl.config.schema import LoggingConfig
-from megatron_rl.trainer.plots import eval_headlines, expand_keys, figures, matches, write_plots
-from megatron_rl.trainer.run_log import RunLog
+from megatron_rl.trainer.logs.plots import eval_headlines, expand_keys, figures, matches, write_plots
+from megatron_rl.trainer.logs.run_log import RunLog
 
 GSM8K = {"mean@4": 0.25, "pass@1": 0.25, "pass@2": 0.4, "pass@4": 0.6, "maj@2": 0.3, "maj@4": 0.35}
 # Two mean@ keys (the larger n is the headline) and pass@16 after pass@2 (numbers sort by value, not as text).

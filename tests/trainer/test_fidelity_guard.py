@@ -1,4 +1,4 @@
-"""`trainer.stop_on` (config/stop_on.py, trainer/fidelity_guard.py): each watched metric stops on the right side
+"""`trainer.stop_on` (config/stop_on.py, trainer/guards/fidelity_guard.py): each watched metric stops on the right side
 of its threshold, with a message naming the metric, the threshold, its recent values and the usual causes; bad keys
 are refused at load.
 
@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.stop_on import StopRule, default_stop_on, stop_rules
-from megatron_rl.trainer.fidelity_guard import FidelityGuard
+from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard
 
 EXAMPLE = "examples/tiny_moe_gspo.yaml"
 R3_ROWS = [

@@ -10,7 +10,7 @@ import torch
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.schema import AlgoConfig
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.trainer.rl_loss import build_rl_loss, gspo_kernel
 from tests.kernels.conftest import DEVICE, triton_gspo  # noqa: F401 (fixture used by name)
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config, to_dict
-from megatron_rl.megatron_backend import checkpoint
+from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.distributed import free_port
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
-from megatron_rl.trainer import run_dir
-from megatron_rl.trainer.run_log import RunLog, restore_history
-from megatron_rl.trainer.stop_signals import StopSignals, TrainingAborted
+from megatron_rl.trainer.guards.stop_signals import StopSignals, TrainingAborted
+from megatron_rl.trainer.logs import run_dir
+from megatron_rl.trainer.logs.run_log import RunLog, restore_history
 
 CLI = [sys.executable, "-m", "megatron_rl.cli", "train"]
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"

@@ -9,9 +9,9 @@ from PIL import Image
 
 from megatron_rl.config import load_config
 from megatron_rl.config.schema import LoggingConfig
-from megatron_rl.megatron_backend.models.family import ModelDims
-from megatron_rl.trainer.plots import spans_decades
-from megatron_rl.trainer.run_log import RunLog, run_header
+from megatron_rl.models.family import ModelDims
+from megatron_rl.trainer.logs.plots import spans_decades
+from megatron_rl.trainer.logs.run_log import RunLog, run_header
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
 DIMS = ModelDims(

@@ -18,9 +18,9 @@ import pytest
 from megatron_rl.config.schema import LoggingConfig
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.tiny_model import build_char_tokenizer, make_tiny_qwen3_moe
-from megatron_rl.trainer.plots import figure, plot_series, series_of
-from megatron_rl.trainer.run_log import RunLog
-from megatron_rl.trainer.sample_log import (
+from megatron_rl.trainer.logs.plots import figure, plot_series, series_of
+from megatron_rl.trainer.logs.run_log import RunLog
+from megatron_rl.trainer.logs.sample_log import (
     SampleLog,
     cut_back,
     format_samples,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.megatron_backend.balance import balanced_partition
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.balance import balanced_partition
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.trainer.step_plan import RankRows, plan_step
 from tests.megatron.dist_harness import run_torchrun
 from tests.shared_runs import DEMO_WARMUP, EXAMPLE

@@ -57,5 +57,5 @@ def stripped_answer(text: str) -> str | None:
 exact_match.extract_answer = stripped_answer
 
 
-register_reward("synthetic", inline=True)("megatron_rl.rollout.synthetic_task:synthetic_reward")
-register_reward("synthetic_tool", inline=True)("megatron_rl.rollout.synthetic_tool_task:tool_task_reward")
+register_reward("synthetic", inline=True)("megatron_rl.rollout.tasks.synthetic_task:synthetic_reward")
+register_reward("synthetic_tool", inline=True)("megatron_rl.rollout.tasks.synthetic_tool_task:tool_task_reward")

@@ -24,12 +24,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_rl.algorithms import policy_loss
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
-    from megatron_rl.megatron_backend.reference import ReferenceWeights
+    from megatron_rl.parallel_layout import ParallelLayout
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
     init_distributed(layout, seed=7)

@@ -23,10 +23,10 @@ def main() -> None:
 
     from checkpoint_check import actor_batch_and_loss  # the sibling script (this folder is sys.path[0])
 
-    from megatron_rl.megatron_backend import checkpoint
-    from megatron_rl.megatron_backend.checkpoint_format import is_complete, step_dir_name
+    from megatron_rl.formats.checkpoint_format import is_complete, step_dir_name
+    from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     layout = ParallelLayout()
     init_distributed(layout, seed=11)

@@ -16,8 +16,8 @@ import torch
 def actor_batch_and_loss(model: str, layout):
     """The actor (cosine LR schedule), a 6 x 20 batch and a PPO loss that these checkpoint scripts train with."""
     from megatron_rl.algorithms import policy_loss
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
 
     actor = MegatronActor.from_hf(
         model,
@@ -50,9 +50,9 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=1)
     args = parser.parse_args()
 
-    from megatron_rl.megatron_backend import checkpoint
+    from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     init_distributed(layout, seed=11)

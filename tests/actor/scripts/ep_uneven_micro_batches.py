@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-from megatron_rl.megatron_backend.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.parallel_layout import ParallelLayout
 
 
 def main() -> None:

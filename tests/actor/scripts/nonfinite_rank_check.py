@@ -15,9 +15,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    from megatron_rl.megatron_backend.actor.update_metrics import NonFiniteError
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
-    from megatron_rl.megatron_backend.update_metrics import NonFiniteError
+    from megatron_rl.parallel_layout import ParallelLayout
     from tests.actor.test_update_nonfinite import _actor, _weights, batch, nan_gradient_loss, pg_loss
 
     init_distributed(ParallelLayout(), seed=11)

@@ -22,13 +22,13 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from megatron_rl.algorithms import policy_loss
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.models.architecture import model_dims
-    from megatron_rl.megatron_backend.options import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.models.architecture import model_dims
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.parallel_layout import ParallelLayout
 
     dims = model_dims(read_hf_config(args.model))
     layout = ParallelLayout(pp=args.pp, pp_first_stage_layers=args.first, pp_last_stage_layers=args.last)

@@ -15,7 +15,7 @@ import torch
 
 
 def _batch(samples: list[dict], r3_routes: list | None, k: int):
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.routing.cache import padding_routes
 
     longest = max(len(s["input_ids"]) for s in samples)
@@ -62,11 +62,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.hf_weights import SafetensorsIndex
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.megatron_backend.weights.hf_weights import SafetensorsIndex
+    from megatron_rl.parallel_layout import ParallelLayout
 
     samples = json.loads(Path(args.samples).read_text())
     r3 = json.loads(Path(args.r3_routes).read_text()) if args.r3_routes else None

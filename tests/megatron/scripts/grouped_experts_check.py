@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+from megatron_rl.parallel_layout import ParallelLayout
 
 # Two ranks: the experts split over EP (4 local experts each, tokens moved by the all-to-all dispatcher), and
 # TP=2 with expert TP 2 (each expert's fc1/fc2 split in two, sequence parallel).
@@ -24,10 +24,10 @@ LAYOUTS = {"ep2": ParallelLayout(ep=2), "tp2_etp2": ParallelLayout(tp=2)}
 
 
 def _build(model_dir: Path, layout: ParallelLayout, experts: str, dtype: str) -> torch.nn.Module:
-    from megatron_rl.megatron_backend.hf_weights import load_hf_weights
-    from megatron_rl.megatron_backend.model_builder import build_model
-    from megatron_rl.megatron_backend.models.family import get_family
-    from megatron_rl.megatron_backend.options import ModelOptions
+    from megatron_rl.config.options import ModelOptions
+    from megatron_rl.megatron_backend.actor.model_builder import build_model
+    from megatron_rl.megatron_backend.weights.hf_weights import load_hf_weights
+    from megatron_rl.models.family import get_family
 
     hf = json.loads((model_dir / "config.json").read_text())
     chunks, _ = build_model(hf, layout, ModelOptions(experts=experts, dtype=dtype))

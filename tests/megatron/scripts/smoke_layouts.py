@@ -28,7 +28,7 @@ platform.prepare_megatron_import()
 import dist_harness  # noqa: E402
 
 from megatron_rl.megatron_backend.distributed import init_distributed, shutdown  # noqa: E402
-from megatron_rl.megatron_backend.parallel_layout import ParallelLayout  # noqa: E402
+from megatron_rl.parallel_layout import ParallelLayout  # noqa: E402
 
 # name -> (layout, use the distributed optimizer)
 LAYOUTS: dict[str, tuple[ParallelLayout, bool]] = {

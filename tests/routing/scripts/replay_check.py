@@ -26,12 +26,12 @@ def main() -> None:
     parser.add_argument("--second-model", type=int, default=0)
     args = parser.parse_args()
 
-    from megatron_rl.megatron_backend.actor import MegatronActor, OptimizerOptions
-    from megatron_rl.megatron_backend.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.actor.route_pass import RoutePass
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.model_builder import ModelOptions
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
-    from megatron_rl.megatron_backend.route_pass import RoutePass
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.routing.agreement import route_agreement
     from megatron_rl.routing.replay import ReplayChecks, RouteReplayError
 
@@ -121,7 +121,7 @@ def main() -> None:
             router_grads.append(float(grad.norm()))
 
     # The optimizer's clip and step come right after the schedule and the grad norm; read the grads before them.
-    from megatron_rl.megatron_backend import training_setup
+    from megatron_rl.megatron_backend.actor import training_setup
 
     step_fn = training_setup.clip_and_step
 

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from sglang_cpu_support import CPU_SERVER_ARGS, REPO, cpu_launch_env, sglang_python  # noqa: E402
 
-from megatron_rl.rollout.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402
 from megatron_rl.tiny_model import make_tiny_qwen3_moe  # noqa: E402
 
 

@@ -15,9 +15,9 @@ import torch
 def main() -> None:
     model, samples_file, out = sys.argv[1], sys.argv[2], sys.argv[3]
     from megatron_rl.algorithms import kl_penalty
-    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.routing.agreement import route_agreement
     from megatron_rl.trainer.rl_batch import samples_to_batch
 

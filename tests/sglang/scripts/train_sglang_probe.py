@@ -22,9 +22,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from megatron_rl.rollout import sglang_engine, sync_probe
+from megatron_rl.rollout import sync_probe
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.weight_sync import TensorWeightSync
+from megatron_rl.rollout.sglang import sglang_engine
+from megatron_rl.rollout.sglang.weight_sync import TensorWeightSync
 
 LAYER0_EXPERT = "model.layers.0.mlp.experts.{}."
 

@@ -13,10 +13,10 @@ def main() -> None:
     parser.add_argument("--b", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    from megatron_rl.megatron_backend import checkpoint
-    from megatron_rl.megatron_backend.actor import MegatronActor
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
 
     layout = ParallelLayout()
     init_distributed(layout, seed=0)

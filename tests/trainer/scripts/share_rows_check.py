@@ -47,7 +47,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from megatron_rl.megatron_backend.distributed import data_parallel_rank_and_size, init_distributed, shutdown
-    from megatron_rl.megatron_backend.parallel_layout import ParallelLayout
+    from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.trainer.rollout_phase import share_rows
     from megatron_rl.trainer.step_plan import plan_step
 

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from megatron_rl.megatron_backend.actor import MegatronActor
+from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 
 STOP_AT = int(os.environ["STOP_AT_CALL"])
 SIGNAL = signal.Signals[f"SIG{os.environ['STOP_SIGNAL']}"]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from megatron_rl.rollout import local_engine
 from megatron_rl.rollout.engine import RolloutEngineError
+from megatron_rl.rollout.engines import local_engine
 
 CALLS = Path(os.environ["ENGINE_CALLS"])
 

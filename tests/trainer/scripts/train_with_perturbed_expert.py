@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.rollout import local_engine
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.engines import local_engine
 
 
 class PerturbedExpertEngine(local_engine.LocalEngine):

@@ -1,0 +1,2 @@
+"""On-disk formats the trainer reads and writes, Megatron-free: the checkpoint folder layout and Hugging Face
+safetensors folders."""

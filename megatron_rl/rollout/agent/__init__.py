@@ -1,0 +1,1 @@
+"""Multi-turn rollouts: environments, tool calls, trajectories and the tools the model may call."""

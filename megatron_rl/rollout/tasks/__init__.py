@@ -1,0 +1,1 @@
+"""The synthetic tasks of the embedded demos."""

@@ -1,0 +1,1 @@
+"""What a run writes: the run folder, metrics, sample logs and plots."""
