@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engines.engine_process import ProcessEngine
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask

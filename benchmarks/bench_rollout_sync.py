@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "sglang"))  # the CPU stand-ins of SGLan
 
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env  # noqa: E402
 
-from megatron_rl.rollout.engine import SamplingParams  # noqa: E402
+from megatron_rl.config.sampling import SamplingParams  # noqa: E402
 from megatron_rl.rollout.engines.local_engine import LocalEngine  # noqa: E402
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine  # noqa: E402
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402

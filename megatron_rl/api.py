@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.config import RLConfig, check_input_paths, load_config
 from megatron_rl.config.loader import configure
-from megatron_rl.config.plugins import check_plugins
+from megatron_rl.rollout.plugin_check import check_plugins
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.eval_only import EvalResult
@@ -32,7 +32,7 @@ def train(config: RLConfig | str | Path, overrides: Sequence[str] = (), *, verbo
     else:
         cfg, config_path = load_config(config, overrides), str(config)
     check_input_paths(cfg)  # model, tokenizer and data files exist: fail before the model is built
-    check_plugins(cfg)
+    check_plugins(cfg.data, cfg.rollout)
     from megatron_rl.trainer.logs.run_dir import resume_command
     from megatron_rl.trainer.loop import train as run_training
 
@@ -53,7 +53,7 @@ def evaluate(
     else:
         cfg = load_config(config, overrides)
     check_input_paths(cfg)
-    check_plugins(cfg)
+    check_plugins(cfg.data, cfg.rollout)
     from megatron_rl.trainer.eval_only import evaluate_checkpoint
 
     return evaluate_checkpoint(cfg, checkpoint, output_dir=output_dir)

@@ -460,8 +460,8 @@ def test_guards_refuse_before_the_model_is_built(
 def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """A JSONL prompt file whose longest prompt (line 2) plus max_new_tokens passes the model's 256 positions."""
     from megatron_rl.config import load_config
-    from megatron_rl.rollout.data import PromptData
     from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_positions
+    from megatron_rl.trainer.rollout_phase import prompt_data
 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "1 2", "answer": "2 1"}, {"prompt": "7" * 150, "answer": "7"}]
@@ -469,7 +469,7 @@ def test_positions_guard_names_the_longest_prompt(tiny_moe_dir: Path, tmp_path: 
     cfg = load_config(EXAMPLE, [f"model.hf_path={tiny_moe_dir}", f"data.train={prompts}", "data.eval=null",
                                 "data.eval_every=0", "data.reward=exact_match", "warmup.sft_steps=0",
                                 "rollout.sampling.max_new_tokens=128"])  # fmt: skip
-    data = PromptData(cfg, _tokenizer(tiny_moe_dir))
+    data = prompt_data(cfg, _tokenizer(tiny_moe_dir))
     length, where = data.longest_prompt()
     assert 150 <= length < 200 and where == f"{prompts}:2"
     with pytest.raises(InputMismatchError) as err:

@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
-    from megatron_rl.config.plugins import check_plugins
     from megatron_rl.launch.plan import ClusterSpec, format_plan, make_plan, shell_plan
+    from megatron_rl.rollout.plugin_check import check_plugins
 
     if not args.dry_run:
         raise ValueError(
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             "scripts/slurm/disaggregated.sbatch (they print this plan first)"
         )
     cfg = load_config(args.config, args.overrides)  # imports the config's plugins
-    check_plugins(cfg)  # an unknown reward, environment or tool fails here, not on the cluster after the queue
+    # an unknown reward, environment or tool fails here, not on the cluster after the queue
+    check_plugins(cfg.data, cfg.rollout)
     hf_config = Path(args.hf_config) if args.hf_config else Path(cfg.model.hf_path) / "config.json"
     if not hf_config.is_file():
         if cfg.model.build_tiny_if_missing and not args.hf_config:

@@ -23,9 +23,9 @@ from megatron_rl.config.coercion import _plain, accepts_str, build, coerce_field
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.plugins import import_plugins
 from megatron_rl.config.presets import PRESETS, preset_values
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.config.schema import AlgoConfig, RLConfig
 from megatron_rl.config.validation import validate
-from megatron_rl.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,8 @@ from typing import Any, Literal
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.config.options import ModelOptions, OptimizerOptions
+from megatron_rl.config.sampling import SamplingParams, TurnLimits
 from megatron_rl.parallel_layout import ParallelLayout
-from megatron_rl.rollout.agent.multi_turn import TurnLimits
-from megatron_rl.rollout.engine import SamplingParams
 
 PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
 

@@ -65,7 +65,7 @@ def check_input_paths(cfg: RLConfig) -> None:
             f"model.tokenizer_path={tokenizer!r} is not a directory: set it to the tokenizer's directory "
             "(tokenizer.json, tokenizer_config.json) or to null to use model.hf_path's"
         )
-    from megatron_rl.rollout.data import SYNTHETIC_TASKS
+    from megatron_rl.config.tasks import SYNTHETIC_TASKS
 
     inputs: list[tuple[str, str | None]] = [("data.train", s.path) for s in cfg.data.train_sources()]
     listed = cfg.data.eval_is_list()
@@ -269,7 +269,7 @@ def _check_data(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         )
     if data.eval is not None and data.eval_every == 0:
         errors.append(f"data.eval={data.eval!r} is never used with data.eval_every=0; set data.eval_every > 0")
-    from megatron_rl.rollout.data import SYNTHETIC_TASKS
+    from megatron_rl.config.tasks import SYNTHETIC_TASKS
 
     sources = data.train_sources()
     if len(sources) > 1 and any(s.path in SYNTHETIC_TASKS for s in sources):

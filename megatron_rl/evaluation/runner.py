@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_rl.config.schema import EvalSet, RLConfig
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.config.schema import EvalSet
 from megatron_rl.evaluation.metrics import dataset_metrics, default_pass_k
-from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError, SamplingParams
+from megatron_rl.rollout.data import PromptData
+from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import version_step
 
@@ -54,21 +56,24 @@ class Evaluator:
     """The run's evaluation datasets and how to score them (rank 0, which holds the rollout engine). Built before
     the model, so an unknown reward or an unreadable file is refused at start-up."""
 
-    def __init__(self, cfg: RLConfig, data: Any, tokenizer: Any):
+    def __init__(self, data: PromptData, tokenizer: Any):
+        """`data`: the run's prompts, with the config sections they were read with (`data.data`: the datasets and
+        rewards, `data.rollout.sampling`, `data.seed`)."""
         from megatron_rl.rollout.rewards.scoring import RewardSet
 
-        self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
-        listed = cfg.data.eval_is_list()
-        base = cfg.rollout.sampling
+        self.data, self.tokenizer = data, tokenizer
+        cfg_data = data.data
+        listed = cfg_data.eval_is_list()
+        base = data.rollout.sampling
         self.datasets: list[EvalDataset] = []
-        for spec in cfg.data.eval_sets():
+        for spec in cfg_data.eval_sets():
             if spec.reward is None:
                 reward = data.reward_fn
             else:
-                answer_key = cfg.data.eval_columns(spec)[1]
+                answer_key = cfg_data.eval_columns(spec)[1]
                 specs = (spec.reward,) if isinstance(spec.reward, str) else spec.reward
                 reward = RewardSet.from_specs(
-                    specs, failure_limit=cfg.data.reward_failure_limit, answer_column=answer_key or ""
+                    specs, failure_limit=cfg_data.reward_failure_limit, answer_column=answer_key or ""
                 )
             params = SamplingParams(
                 max_new_tokens=spec.max_new_tokens or base.max_new_tokens,
@@ -109,17 +114,17 @@ class Evaluator:
 
     def score(self, ds: EvalDataset, engine: RolloutEngine, step: int) -> tuple[dict[str, float], list[Sample]]:
         """Generate dataset `ds` (n samples per prompt, seeded), score it; its metrics and the scored samples."""
-        from megatron_rl.trainer.step_metrics import multi_turn_metrics
+        from megatron_rl.rollout.agent.multi_turn import multi_turn_metrics
 
         t0 = time.perf_counter()
         n = ds.spec.n_samples
-        params = replace(ds.params, seed=eval_seed(self.cfg.trainer.seed, ds.name, step))
+        params = replace(ds.params, seed=eval_seed(self.data.seed, ds.name, step))
         samples = self.data.generate(engine, ds.prompts, params, n, False)  # multi-turn with env / generate_fn
         generated = time.perf_counter() - t0
         for i, s in enumerate(samples):
             p = ds.prompts[i // n]
             s.metadata.update(p.metadata, prompt=p.text, answer=p.answer)
-        stats = ds.reward.score(samples, self.tokenizer, timeout_s=self.cfg.data.reward_timeout_s)
+        stats = ds.reward.score(samples, self.tokenizer, timeout_s=self.data.data.reward_timeout_s)
         answers = None
         if ds.reward.extracts_answers:
             for s in samples:

@@ -160,7 +160,7 @@ FAMILY = register_family(
             }
         ),
         config_class="mla",
-        layer_spec=mla.mla_layer_spec,
+        layer_spec="mla",
         unused_hf_tensors=mtp_layers,
         supports="Multi-Latent Attention (with/without q_lora), YaRN, sigmoid router with score-correction bias and "
         "group-limited top-k, shared experts, dense first layers (also Kimi-K2, Moonlight)",

@@ -123,9 +123,10 @@ class ModelFamily:
     `config_keys`: config.json keys the family reads or checks besides `COMMON_KEYS`; any key outside these and
     `METADATA_KEYS` is refused by name (it may change the math). `config_class`: Megatron's
     `TransformerConfig` or `MLATransformerConfig`; `config_attributes`: attributes set on the built config that
-    its class does not declare (YaRN's `yarn_*` for GPTModel). `layer_spec(config, use_te, vp_stage)`: the decoder
-    block spec, Megatron's GPT spec when None. `unused_hf_tensors`: `(regex, why)` of tensors checkpoints carry
-    that the model does not use (MTP layers), or a function of the config giving them: reported as skipped by
+    its class does not declare (YaRN's `yarn_*` for GPTModel). `layer_spec`: the name of the decoder block spec in
+    `megatron_backend.layers.BLOCK_SPECS` (Megatron layer code, kept out of the family), Megatron's GPT spec when
+    None. `unused_hf_tensors`: `(regex, why)` of tensors checkpoints carry that the model does not use (MTP layers),
+    or a function of the config giving them: reported as skipped by
     name, kept by conversion round trips.
     """
 
@@ -138,7 +139,7 @@ class ModelFamily:
     config_keys: frozenset[str] = frozenset()
     config_class: Literal["transformer", "mla"] = "transformer"
     config_attributes: Callable[[HFConfig], dict[str, Any]] | None = None
-    layer_spec: Callable[[Any, bool, int | None], Any] | None = None
+    layer_spec: str | None = None
     unused_hf_tensors: Callable[[HFConfig], tuple[tuple[str, str], ...]] | tuple[tuple[str, str], ...] = ()
     record_routes: RouteRecorder = record_gate_routes
     supports: str = ""  # one line for `megatron-rl models`

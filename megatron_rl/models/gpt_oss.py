@@ -228,14 +228,6 @@ def gpt_model_kwargs(hf: HFConfig) -> dict[str, Any]:
     )
 
 
-def layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
-    """Megatron's GPT decoder block spec, with GPT-OSS's sinks and expert fc2 on the local spec
-    (`megatron_backend/layers/gpt_oss.py`)."""
-    from megatron_rl.megatron_backend.layers.gpt_oss import gpt_oss_block_spec
-
-    return gpt_oss_block_spec(config, use_te, vp_stage)
-
-
 # --------------------------------------------------------------------------------------
 # Weight mappings
 # --------------------------------------------------------------------------------------
@@ -331,7 +323,7 @@ FAMILY = register_family(
             }
         ),
         config_attributes=config_attributes,
-        layer_spec=layer_spec,
+        layer_spec="gpt_oss",
         record_routes=record_router_routes,
         supports="attention sinks, alternating sliding window, YaRN, clamped SwiGLU experts with biases, router "
         "bias; fused expert tensors; MXFP4 checkpoints refused (dequantise first)",

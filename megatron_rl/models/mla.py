@@ -157,11 +157,3 @@ def mla_mappings(dims: ModelDims) -> list[Mapping]:
     else:
         pairs.append(("linear_q_proj", "q_proj"))
     return [Mapping(f"{m}{meg}.weight", (f"{h}{hf}.weight",)) for meg, hf in pairs]
-
-
-def mla_layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
-    """The decoder block spec: Megatron's GPT spec, with the local spec's attention bridged (module docstring);
-    Megatron's layer code is in `megatron_backend/layers/mla.py`."""
-    from megatron_rl.megatron_backend.layers.mla import mla_block_spec
-
-    return mla_block_spec(config, use_te, vp_stage, LATENT_NORM_EPS)

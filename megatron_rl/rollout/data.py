@@ -6,7 +6,8 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.schema import AlgoConfig, DataConfig, RolloutConfig, WarmupConfig
+from megatron_rl.config.tasks import SYNTHETIC_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -14,17 +15,29 @@ logger = logging.getLogger(__name__)
 class PromptData:
     """Training and evaluation prompts, the reward, and the resumable position in the prompt stream."""
 
-    def __init__(self, cfg: RLConfig, tokenizer: Any):
+    def __init__(
+        self,
+        data: DataConfig,
+        rollout: RolloutConfig,
+        algo: AlgoConfig,
+        warmup: WarmupConfig,
+        *,
+        seed: int,
+        tokenizer: Any,
+    ):
+        """The sections it reads: `data` (datasets, keys, rewards), `rollout` (sampling, environments), `algo`
+        (dynamic sampling, overlong shaping, R3 routes), `warmup` (the SFT examples); `seed`: the run's
+        (`trainer.seed`)."""
         from megatron_rl.rollout.rewards import build_reward
 
-        self.cfg = cfg
+        self.data, self.rollout, self.algo, self.warmup, self.seed = data, rollout, algo, warmup, seed
         self.tokenizer = tokenizer
-        self.reward_fn = build_reward(cfg.data)  # a RewardSet: the weighted rewards, timeouts, failure limit
+        self.reward_fn = build_reward(data)  # a RewardSet: the weighted rewards, timeouts, failure limit
         self.task = None
         self.train_iter: Any = None  # a PromptIterator (one dataset) or a Mixture of them (data.train: [...])
         self.train_prompts: list[Any] = []  # every dataset's prompts, in data.train's order
-        self.generate = _generate_batch(cfg, tokenizer)
-        sources = cfg.data.train_sources()  # a built-in task comes alone (config validation refuses a mix)
+        self.generate = _generate_batch(rollout, tokenizer)
+        sources = data.train_sources()  # a built-in task comes alone (config validation refuses a mix)
         if sources[0].path in SYNTHETIC_TASKS:
             self.task = _synthetic(self, sources[0].path)
             self.stream = self.task.stream()
@@ -33,16 +46,16 @@ class PromptData:
             from megatron_rl.rollout.prompts import PromptIterator
 
             # Dataset k draws its epochs with seed + k; one dataset keeps the plain iterator (and its state format).
-            keys = cfg.data.prompt_key, cfg.data.answer_key
+            keys = data.prompt_key, data.answer_key
             datasets = [self._load_prompts(s.path, prompt_key=keys[0], answer_key=keys[1]) for s in sources]
-            iterators = [PromptIterator(p, seed=cfg.trainer.seed + k) for k, p in enumerate(datasets)]
+            iterators = [PromptIterator(p, seed=seed + k) for k, p in enumerate(datasets)]
             self.train_prompts = [p for d in datasets for p in d]
             weights = [s.weight for s in sources]
             mixture = len(iterators) > 1
-            self.train_iter = Mixture(iterators, weights, seed=cfg.trainer.seed) if mixture else iterators[0]
+            self.train_iter = Mixture(iterators, weights, seed=seed) if mixture else iterators[0]
             self.stream = self.train_iter
         # Each evaluation dataset's prompts (data.eval; the first `prompts` rows), by name.
-        self._eval: dict[str, list[Any]] = {e.name: self._eval_rows(e) for e in cfg.data.eval_sets()}
+        self._eval: dict[str, list[Any]] = {e.name: self._eval_rows(e) for e in data.eval_sets()}
         data_sources = getattr(self, "data_sources", None)  # `auto` refuses rows it cannot route, at start-up
         if data_sources is not None and self.reward_fn.routes_by_data_source:
             self.reward_fn.check_data_sources(data_sources())
@@ -51,7 +64,7 @@ class PromptData:
         """One step's rollout batch; sampling is seeded per step so a resumed run draws the same samples."""
         from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch, generate_single_turn
 
-        algo, rollout = self.cfg.algo, self.cfg.rollout
+        algo, rollout = self.algo, self.rollout
         for warning in getattr(self.generate, "warnings", ()):  # e.g. a code tool running without isolation
             logger.warning("step %d: %s", step, warning)
         overlong = None
@@ -69,13 +82,13 @@ class PromptData:
             self.stream,
             rollout.n_samples,
             rollout.prompts_per_step,
-            replace(rollout.sampling, seed=(rollout.sampling.seed or self.cfg.trainer.seed) * 100_003 + step),
+            replace(rollout.sampling, seed=(rollout.sampling.seed or self.seed) * 100_003 + step),
             self.reward_fn,
             tokenizer=self.tokenizer,
             dynamic_sampling=algo.dynamic_sampling,
             max_tries=algo.max_dynamic_tries,
             overlong=overlong,
-            reward_timeout_s=self.cfg.data.reward_timeout_s,
+            reward_timeout_s=self.data.reward_timeout_s,
             return_routed_experts=algo.routing_replay == "R3",
             generate=self.generate,
         )
@@ -87,11 +100,11 @@ class PromptData:
         return self._eval[name]
 
     def _eval_rows(self, spec: Any) -> list[Any]:
-        n = spec.prompts or self.cfg.data.eval_prompts
+        n = spec.prompts or self.data.eval_prompts
         if spec.path in SYNTHETIC_TASKS:
-            task = self.task if spec.path == self.cfg.data.train_sources()[0].path else None
+            task = self.task if spec.path == self.data.train_sources()[0].path else None
             return (task or _synthetic(self, spec.path)).eval_prompts(n)
-        prompt_key, answer_key = self.cfg.data.eval_columns(spec)
+        prompt_key, answer_key = self.data.eval_columns(spec)
         return self._load_prompts(spec.path, prompt_key=prompt_key, answer_key=answer_key)[:n]
 
     def _load_prompts(self, path: str, *, prompt_key: str, answer_key: str | None) -> list[Any]:
@@ -103,12 +116,12 @@ class PromptData:
             self.tokenizer,
             prompt_key=prompt_key,
             answer_key=answer_key,
-            apply_chat_template=self.cfg.data.apply_chat_template,
+            apply_chat_template=self.data.apply_chat_template,
         )
 
     def _file_prompts(self) -> list[Any]:
         """The training and evaluation prompts read from files (none for the built-in tasks)."""
-        files = [e.name for e in self.cfg.data.eval_sets() if e.path not in SYNTHETIC_TASKS]
+        files = [e.name for e in self.data.eval_sets() if e.path not in SYNTHETIC_TASKS]
         return self.train_prompts + [p for name in files for p in self._eval[name]]
 
     def data_sources(self) -> set[str]:
@@ -132,7 +145,7 @@ class PromptData:
     def sft_source(self) -> Any:
         """The warm-up's examples (`open_sft_source`: `warmup.data`, default `data.train`), read on first use."""
         if getattr(self, "_sft", None) is None:
-            self._sft = open_sft_source(self.cfg, self.tokenizer, train_task=self.task)
+            self._sft = open_sft_source(self.warmup, self.data, self.seed, self.tokenizer, train_task=self.task)
         return self._sft
 
     def sft_pairs(self, n: int, *, start: int):
@@ -154,53 +167,47 @@ class PromptData:
             self.train_iter.load_state_dict(state["prompts"])
 
 
-# The built-in tasks (`data.train` / `data.eval` names): digit reversal (the demo) and the tool-use task.
-SYNTHETIC_TASKS = {
-    "synthetic": "megatron_rl.rollout.tasks.synthetic_task:SyntheticTask",
-    "synthetic_tool": "megatron_rl.rollout.tasks.synthetic_tool_task:ToolTask",
-}
-
-
 def _synthetic(data: PromptData, name: str | None = None):
     """The built-in task `name` (default: `data.train`)."""
     from megatron_rl.rollout.plugins import load_dotted
 
-    task_class = load_dotted(SYNTHETIC_TASKS[name or data.cfg.data.train_sources()[0].path], "synthetic task")
-    return task_class(seed=data.cfg.trainer.seed, tokenizer=data.tokenizer)
+    task_class = load_dotted(SYNTHETIC_TASKS[name or data.data.train_sources()[0].path], "synthetic task")
+    return task_class(seed=data.seed, tokenizer=data.tokenizer)
 
 
-def open_sft_source(cfg: RLConfig, tokenizer: Any, *, train_task: Any = None) -> Any:
+def open_sft_source(
+    warmup: WarmupConfig, data: DataConfig, seed: int, tokenizer: Any, *, train_task: Any = None
+) -> Any:
     """The warm-up's examples (an object with `sft_pairs(n, start=)`): a built-in task's SFT split (`train_task`
     when it is the training task), or the rows of `warmup.data` (default: `data.train`) as SFT examples."""
     from megatron_rl.rollout.plugins import load_dotted
     from megatron_rl.rollout.sft_data import SFTDataset
 
-    w = cfg.warmup
+    w = warmup
     name = w.data
     if name is None:
-        sources = cfg.data.train_sources()
+        sources = data.train_sources()
         if len(sources) > 1:
             raise ValueError("data.train is a mixture of datasets: set warmup.data to the file the warm-up trains on")
         name = sources[0].path
     if name in SYNTHETIC_TASKS:
-        if train_task is not None and name == cfg.data.train:
+        if train_task is not None and name == data.train:
             return train_task
-        return load_dotted(SYNTHETIC_TASKS[name], "synthetic task")(seed=cfg.trainer.seed, tokenizer=tokenizer)
+        return load_dotted(SYNTHETIC_TASKS[name], "synthetic task")(seed=seed, tokenizer=tokenizer)
     return SFTDataset.from_file(
         name,
         tokenizer,
-        prompt_key=w.prompt_key or cfg.data.prompt_key,
+        prompt_key=w.prompt_key or data.prompt_key,
         response_key=w.response_key,
-        apply_chat_template=cfg.data.apply_chat_template,
-        seed=cfg.trainer.seed,
+        apply_chat_template=data.apply_chat_template,
+        seed=seed,
     )
 
 
-def _generate_batch(cfg: RLConfig, tokenizer: Any):
+def _generate_batch(rollout: RolloutConfig, tokenizer: Any):
     """How a rollout try generates: single-turn, or multi-turn with `rollout.env` / `rollout.generate_fn`."""
     from megatron_rl.rollout.dynamic_sampling import generate_single_turn
 
-    rollout = cfg.rollout
     if rollout.env is None and rollout.generate_fn is None:
         return generate_single_turn
     from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout

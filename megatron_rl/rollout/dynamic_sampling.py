@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.algorithms import filter_groups, overlong_penalty
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.rewards import RewardFn, RewardStats, compute_rewards
 from megatron_rl.rollout.sample import Sample

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sample import Sample
 
 NamedTensorBucket = list[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings of one generate call (SGLang's names)."""
-
-    max_new_tokens: int = field(default=128, metadata={"help": "response length cap (tokens)"})
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; 0 = greedy"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
-    top_k: int = field(default=-1, metadata={"help": "sample among the k most likely tokens; -1 = all"})
-    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "tokens that end a response"})
-    seed: int | None = field(default=None, metadata={"help": "sampling seed (reproducible rollouts)"})
 
 
 @dataclass(frozen=True)

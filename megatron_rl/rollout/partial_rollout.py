@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sample import Sample
 
 CONTINUATION_SEED_STRIDE = 7919  # continuation c of a call samples with seed + c * stride (a fresh stream)

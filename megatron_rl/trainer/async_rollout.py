@@ -32,7 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError, SamplingParams
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.partial_rollout import generate_continuing, version_spans
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import version_step

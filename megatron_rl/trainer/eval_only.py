@@ -24,14 +24,13 @@ from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoin
 from megatron_rl.megatron_backend.distributed import shutdown
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.hf_config import read_hf_config
-from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engines.engine_factory import build_engine
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.input_guards import check_positions
 from megatron_rl.trainer.logs.sample_log import eval_rows
 from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
-from megatron_rl.trainer.rollout_phase import sync_weights
+from megatron_rl.trainer.rollout_phase import engine_run, prompt_data, sync_weights
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -104,14 +103,14 @@ def evaluate_checkpoint(
     try:
         rank0 = dist.get_rank() == 0
         tokenizer = load_tokenizer(cfg, dims.vocab_size)
-        data = PromptData(cfg, tokenizer)
+        data = prompt_data(cfg, tokenizer)
         check_positions(cfg, data, max_positions(hf))
-        evaluator = Evaluator(cfg, data, tokenizer)  # an unknown reward is refused before the model is built
+        evaluator = Evaluator(data, tokenizer)  # an unknown reward is refused before the model is built
         actor = build_actor(cfg, model_dir)
         step = 0
         if source.kind == "megatron" and source.path is not None:
             step = int(checkpoints.load_checkpoint(actor, source.path, load_optimizer=False)["step"])
-        engine = build_engine(cfg, model_dir, platform.device()) if rank0 else None
+        engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if rank0 else None
         memory = ColocatedMemory(
             actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
         )

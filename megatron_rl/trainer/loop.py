@@ -65,6 +65,8 @@ from megatron_rl.trainer.rollout_phase import (
     RolloutSource,
     SyncRollout,
     collect_rollout,
+    engine_run,
+    prompt_data,
     share_rows,
     sync_or_defer,
     sync_weights,
@@ -265,14 +267,14 @@ def _build_parts(
 ) -> tuple[StepParts, dict]:
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
-    data = PromptData(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
+    data = prompt_data(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
     positions = max_positions(read_hf_config(model_dir))
     check_positions(cfg, data, positions)
     if cfg.warmup.sft_steps > 0:  # the SFT rows are read, and a bad or too long one refused, before the model build
         check_warmup_data(data.sft_source(), positions)
-    evaluator = Evaluator(cfg, data, tokenizer)  # its rewards resolved: an unknown one is refused before the build
+    evaluator = Evaluator(data, tokenizer)  # its rewards resolved: an unknown one is refused before the build
     actor = build_actor(cfg, model_dir)
-    engine = build_engine(cfg, model_dir, platform.device()) if dist.get_rank() == 0 else None
+    engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:
         engines.append(engine)
     state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}

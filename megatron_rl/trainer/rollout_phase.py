@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object, scatter_by_data_parallel_rank
+from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.rollout.engines.engine_factory import EngineRun
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
@@ -76,6 +78,16 @@ class StepRollout:
     rewards: list[float]
     metrics: dict[str, float]
     samples: list[Sample] | None = None
+
+
+def prompt_data(cfg: Any, tokenizer: Any) -> PromptData:
+    """The run's prompts (`rollout.data.PromptData`) from the sections of `cfg` (an `RLConfig`) they read."""
+    return PromptData(cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer)
+
+
+def engine_run(cfg: Any) -> EngineRun:
+    """What the rollout engine needs to know of the run `cfg` (an `RLConfig`) besides its `rollout` section."""
+    return EngineRun(cfg.trainer.output_dir, cfg.trainer.mode == "async", cfg.algo.routing_replay == "R3")
 
 
 def collect_rollout(

@@ -54,7 +54,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
                 run_dir.start_run(plan)
             dist.barrier()
             tokenizer = load_tokenizer(cfg, dims.vocab_size)
-            source = open_sft_source(cfg, tokenizer)
+            source = open_sft_source(cfg.warmup, cfg.data, cfg.trainer.seed, tokenizer)
             check_warmup_data(source, max_positions(hf))
             actor = build_actor(cfg, model_dir)
             state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}

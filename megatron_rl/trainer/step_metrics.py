@@ -9,6 +9,7 @@ import torch
 
 from megatron_rl.algorithms import kl_penalty
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
+from megatron_rl.rollout.agent.multi_turn import multi_turn_metrics
 
 
 def rollout_metrics(rollout: Any) -> dict[str, float]:
@@ -41,26 +42,6 @@ def rollout_metrics(rollout: Any) -> dict[str, float]:
         )
         if any("turns" in s.metadata for s in samples):
             metrics.update(multi_turn_metrics(samples))
-    return metrics
-
-
-def multi_turn_metrics(samples: list) -> dict[str, float]:
-    """Multi-turn rollouts: turns per trajectory, the environment's counters per trajectory (tool calls, tool
-    errors, ...), the tool-call success rate, and the share of response tokens that are observations."""
-    n = len(samples)
-    counters: dict[str, float] = {}
-    for s in samples:
-        for name, value in s.metadata.get("env_metrics", {}).items():
-            counters[name] = counters.get(name, 0.0) + value
-    response = sum(len(s.response_ids) for s in samples)
-    observed = sum(len(s.response_ids) - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
-    metrics = {
-        "multi_turn/turns_mean": sum(s.metadata.get("turns", 1) for s in samples) / n,
-        "multi_turn/observation_token_share": observed / max(response, 1),
-        **{f"multi_turn/{name}_per_trajectory": total / n for name, total in sorted(counters.items())},
-    }
-    if counters.get("tool_calls"):
-        metrics["multi_turn/tool_success_rate"] = 1.0 - counters.get("tool_errors", 0.0) / counters["tool_calls"]
     return metrics
 
 

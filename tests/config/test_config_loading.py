@@ -19,9 +19,9 @@ from megatron_rl.config import (
     parse_override,
     to_dict,
 )
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.config.schema import LoggingConfig
 from megatron_rl.parallel_layout import ParallelLayout
-from megatron_rl.rollout.engine import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -14,11 +14,11 @@ import pytest
 from megatron_rl.algorithms import rollout_correction
 from megatron_rl.config import RLConfig, config_help
 from megatron_rl.config.coercion import field_specs, is_section, walk_fields
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.config.schema import AlgoConfig, ModelConfig
 from megatron_rl.megatron_backend.actor.megatron_actor import OptimizerOptions
 from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
 from megatron_rl.parallel_layout import ParallelLayout
-from megatron_rl.rollout.engine import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_KEYS = [key for key, _ in walk_fields(RLConfig)]

@@ -10,9 +10,9 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, check_input_paths, load_config
-from megatron_rl.config.plugins import check_plugins
 from megatron_rl.rollout.agent.env import get_env, get_generate_fn
 from megatron_rl.rollout.agent.tools import TOOLS
+from megatron_rl.rollout.plugin_check import check_plugins
 from megatron_rl.rollout.rewards import get_reward
 
 REPO = Path(__file__).parents[2]
@@ -30,7 +30,7 @@ def test_example_loads_and_resolves_every_plugin(example: Path, monkeypatch: pyt
     """The tiny examples (run from the repository root) also name only shipped data files."""
     monkeypatch.chdir(REPO)
     cfg = load_config(example)
-    check_plugins(cfg)
+    check_plugins(cfg.data, cfg.rollout)
     if cfg.model.build_tiny_if_missing:
         check_input_paths(cfg)
     specs = cfg.data.reward_specs()
@@ -50,7 +50,7 @@ def test_unknown_plugins_are_all_named(tmp_path: Path) -> None:
     options = "rollout.env_options={tools: [calculator, abacus], tool_call_format: smoke_signals}"
     cfg = load_config(example, ["data.reward=no_such_reward", options])
     with pytest.raises(ConfigError) as err:
-        check_plugins(cfg)
+        check_plugins(cfg.data, cfg.rollout)
     lines = str(err.value).splitlines()
     assert lines[0] == "plugins that do not resolve:"
     assert lines[1].startswith("  - data.reward='no_such_reward': unknown reward 'no_such_reward': not one of [")
@@ -63,7 +63,7 @@ def test_unknown_plugins_are_all_named(tmp_path: Path) -> None:
     cfg = load_config(example, ["rollout.generate_fn=nowhere_module:generate", "rollout.env=null"])
     with pytest.raises(ConfigError, match=r"^rollout.generate_fn='nowhere_module:generate': cannot load generate "
                        r"function 'nowhere_module:generate': No module named 'nowhere_module'$"):  # fmt: skip
-        check_plugins(cfg)
+        check_plugins(cfg.data, cfg.rollout)
 
 
 PLUGIN = '''
@@ -105,10 +105,10 @@ def test_plugins_next_to_the_config_are_imported_when_it_loads(
     monkeypatch.chdir(elsewhere)
     cfg = load_config(config)
     assert cfg.plugins == ("my_plugin_rewards",)
-    check_plugins(cfg)
+    check_plugins(cfg.data, cfg.rollout)
     assert get_reward("plugin_test_length")(None, "abc", {}) == 3.0
     cfg = load_config(config, ["data.reward=cwd_rewards:score"])
-    check_plugins(cfg)
+    check_plugins(cfg.data, cfg.rollout)
     assert get_reward("cwd_rewards:score")(None, "abc", {}) == 0.5
 
 

@@ -172,9 +172,9 @@ def test_an_unknown_eval_reward_is_refused_before_the_model_is_built(tiny_moe_di
     from transformers import AutoTokenizer
 
     from megatron_rl.evaluation.runner import Evaluator
-    from megatron_rl.rollout.data import PromptData
+    from megatron_rl.trainer.rollout_phase import prompt_data
 
     cfg = _cfg(tiny_moe_dir, "data.eval=[{name: a, path: synthetic, reward: gsmk8}]")
     tokenizer = AutoTokenizer.from_pretrained(tiny_moe_dir)
     with pytest.raises(ValueError, match="gsmk8"):
-        Evaluator(cfg, PromptData(cfg, tokenizer), tokenizer)
+        Evaluator(prompt_data(cfg, tokenizer), tokenizer)

@@ -223,7 +223,7 @@ def test_te_spec_refuses_what_its_fused_latent_norms_compute_differently() -> No
     platform.prepare_megatron_import()
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from megatron_rl.models.mla import mla_layer_spec
+    from megatron_rl.megatron_backend.layers.mla import mla_block_spec as mla_layer_spec
 
     moonlight_eps = SimpleNamespace(q_lora_rank=1536, layernorm_epsilon=1e-5)
     with pytest.raises(UnsupportedModelError, match=r"rms_norm_eps=1e-05 with the Transformer Engine spec"):

@@ -74,7 +74,7 @@ def test_local_engine_generation_scores_like_a_full_forward(tiny: Path) -> None:
     """The local engine (transformers' KV cache, prompts of different lengths batched, responses past the sliding
     window) gives each token the log-prob and experts a full forward of the finished sequence gives: the R3 routes
     the trainer replays come from the family's recorder on `mlp.router`."""
-    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.config.sampling import SamplingParams
     from megatron_rl.rollout.engines.local_engine import LocalEngine
 
     engine = LocalEngine(tiny, stop_on_eos=False)

@@ -14,6 +14,7 @@ from megatron_rl.megatron_backend.platform import mcore_compat
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 PLATFORM = PACKAGE / "megatron_backend" / "platform"
+ACCELERATOR = PACKAGE / "accelerator.py"  # the platform's device capabilities, Megatron-free (the rollout asks it too)
 CUDA_CALL = re.compile(r"\btorch\.cuda\.\w")
 
 ALLOWED: dict[str, str] = {}
@@ -35,7 +36,7 @@ def test_no_direct_torch_cuda_call_outside_the_platform_package() -> None:
     offenders = [
         f"{path.relative_to(PACKAGE.parent)}:{hit}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if PLATFORM not in path.parents and str(path.relative_to(PACKAGE.parent)) not in ALLOWED
+        if PLATFORM not in path.parents and path != ACCELERATOR and str(path.relative_to(PACKAGE.parent)) not in ALLOWED
         for hit in _direct_cuda_calls(path)
     ]
     assert offenders == [], "ask megatron_rl.megatron_backend.platform instead:\n" + "\n".join(offenders)

@@ -21,9 +21,9 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.data.mixture import Mixture
 from megatron_rl.data.readers import DataFileError, read_rows
-from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.prompts import Prompt, PromptIterator, load_prompts
 from megatron_rl.tiny_model import build_char_tokenizer
+from megatron_rl.trainer.rollout_phase import prompt_data
 from tests.fixtures.data import make_fixtures
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "data"
@@ -263,9 +263,9 @@ def test_prompt_data_mixture_sources_and_longest_prompt(tokenizer):
     )
     cfg = _cfg(train, "data.answer_key=reward_model.ground_truth")
     with pytest.raises(ValueError, match=r"prompts\.arrow row 1: missing key 'reward_model\.ground_truth'"):
-        PromptData(cfg, tokenizer)  # the keys are the same for every file of a mixture: the second has none
+        prompt_data(cfg, tokenizer)  # the keys are the same for every file of a mixture: the second has none
     slime = f"data.eval={FIXTURES / 'slime.jsonl'}", "data.eval_every=5"
-    data = PromptData(_cfg(train, *slime, "data.answer_key=null"), tokenizer)
+    data = prompt_data(_cfg(train, *slime, "data.answer_key=null"), tokenizer)
     assert data.data_sources() == {"openai/gsm8k", "rev"}  # slime's rows have no data_source
     assert len(data.train_prompts) == 16 and len(data.eval_prompts("slime")) == 8  # data.eval_prompts=64 > 8 rows
     # The longest is slime's system-prompt row: the chat template of [system, user] beats every [user] prompt.
@@ -275,15 +275,15 @@ def test_prompt_data_mixture_sources_and_longest_prompt(tokenizer):
     drawn = Counter("rev" if next(data.stream).metadata.get("data_source") == "rev" else "verl" for _ in range(400))
     assert 0.17 < drawn["rev"] / 400 < 0.33  # weight 1 of 4; the binomial sd is 0.022
     state = json.loads(json.dumps(data.state_dict()))
-    again = PromptData(_cfg(train, "data.answer_key=null"), tokenizer)
+    again = prompt_data(_cfg(train, "data.answer_key=null"), tokenizer)
     again.load_state_dict(state)
     assert [next(again.stream).text for _ in range(20)] == [next(data.stream).text for _ in range(20)]
-    single = PromptData(_cfg(f"data.train={FIXTURES / 'slime.jsonl'}", "data.answer_key=label"), tokenizer)
+    single = prompt_data(_cfg(f"data.train={FIXTURES / 'slime.jsonl'}", "data.answer_key=label"), tokenizer)
     assert set(single.state_dict()["prompts"]) == {"epoch", "index", "seed", "shuffle", "num_prompts"}  # as before
     assert single.data_sources() == set() and single.longest_prompt()[1].endswith("slime.jsonl:8")
-    assert PromptData(_cfg(), tokenizer).longest_prompt() == (0, "")  # the built-in task
+    assert prompt_data(_cfg(), tokenizer).longest_prompt() == (0, "")  # the built-in task
     with pytest.raises(ValueError, match="data.reward=auto does not know data_source 'rev'"):  # data_sources() routed
-        PromptData(_cfg(f"data.train={FIXTURES / 'prompts.arrow'}", "data.reward=auto"), tokenizer)
+        prompt_data(_cfg(f"data.train={FIXTURES / 'prompts.arrow'}", "data.reward=auto"), tokenizer)
     with pytest.raises(ValueError, match="data.train mixes a built-in task with data files"):  # at config load
         _cfg(f"data.train=[{{path: synthetic}}, {{path: {FIXTURES / 'slime.jsonl'}}}]")
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.dynamic_sampling import OverlongOptions, collect_batch
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample

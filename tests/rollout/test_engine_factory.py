@@ -11,21 +11,23 @@ import torch
 from megatron_rl.config import load_config
 from megatron_rl.rollout.engines.engine_factory import build_engine, sglang_server_flags
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
+from megatron_rl.trainer.rollout_phase import engine_run
 
 
 def test_flags_follow_the_config() -> None:
     cfg = load_config(None, ["model.hf_path=/m", "rollout.sglang.tp_size=2", "algo.routing_replay=R3"])
-    flags = sglang_server_flags(cfg)
+    flags = sglang_server_flags(cfg.rollout, return_routes=True)
     assert flags[:4] == ["--tp-size", "2", "--ep-size", "1"] and "--enable-return-routed-experts" in flags
     assert "--enable-memory-saver" not in flags
-    assert "--enable-return-routed-experts" not in sglang_server_flags(load_config(None, ["model.hf_path=/m"]))
+    plain = load_config(None, ["model.hf_path=/m"]).rollout
+    assert "--enable-return-routed-experts" not in sglang_server_flags(plain, return_routes=False)
 
 
 def test_sglang_refuses_a_qwen_moe_with_a_dense_layer_before_launching(tmp_path: Path) -> None:
     model = make_tiny_qwen3_moe(tmp_path / "m", TinyQwen3MoeSpec(num_hidden_layers=3, mlp_only_layers=(1,)))
     cfg = load_config(None, [f"model.hf_path={model}", "rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'o'}"])
     with pytest.raises(ValueError, match=r"layers \[1\] are dense.*rollout.engine=local"):
-        build_engine(cfg, model, torch.device("cpu"))
+        build_engine(cfg.rollout, engine_run(cfg), model, torch.device("cpu"))
     assert not (tmp_path / "o").exists()  # refused before any server was launched
 
 

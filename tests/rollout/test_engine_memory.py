@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import RolloutEngineError, SamplingParams
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.rollout.engines.engine_memory import EngineMemory, check_tags
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 

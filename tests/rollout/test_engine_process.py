@@ -19,12 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.config import load_config
-from megatron_rl.rollout.engine import RolloutEngineError, SamplingParams
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import RolloutEngineError
 from megatron_rl.rollout.engines.engine_factory import build_engine, local_engine_process
 from megatron_rl.rollout.engines.engine_process import ProcessEngine
 from megatron_rl.rollout.engines.hf_weight_loading import WeightUpdateError
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
+from megatron_rl.trainer.rollout_phase import engine_run
 from tests.waiting import wait_until
 
 PROMPTS = [[10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33]]
@@ -44,7 +46,7 @@ def shm_before() -> set[str]:
 def process_engine(tiny_dir: Path, shm_before: set[str]):
     """Built by the factory from an async config (engine_process=auto: a child process)."""
     cfg = load_config(None, [f"model.hf_path={tiny_dir}", "trainer.mode=async"])
-    engine = build_engine(cfg, tiny_dir, torch.device("cpu"))
+    engine = build_engine(cfg.rollout, engine_run(cfg), tiny_dir, torch.device("cpu"))
     yield engine
     engine.shutdown()
 
@@ -104,7 +106,8 @@ def test_the_factory_runs_the_local_engine_in_a_child_in_async_mode(process_engi
     cases = [("sync", "auto", "trainer"), ("async", "auto", "separate"), ("sync", "separate", "separate")]
     for mode, where, expected in [*cases, ("async", "trainer", "trainer")]:
         overrides = [f"trainer.mode={mode}", f"rollout.engine_process={where}"]
-        assert local_engine_process(load_config(None, [f"model.hf_path={tiny_dir}", *overrides])) == expected
+        cfg = load_config(None, [f"model.hf_path={tiny_dir}", *overrides])
+        assert local_engine_process(cfg.rollout, asynchronous=cfg.trainer.mode == "async") == expected
 
 
 def test_generate_matches_the_in_process_engine(process_engine: ProcessEngine, engine: LocalEngine):

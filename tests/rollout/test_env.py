@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.agent import env as env_module
 from megatron_rl.rollout.agent.env import Environment, StepResult, get_env, get_generate_fn, register_env
 from megatron_rl.rollout.agent.trajectory import Trajectory, TrajectoryBuilder
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.plugins import load_dotted
 from megatron_rl.rollout.prompts import Prompt
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.models.architecture import model_dims
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.engines.hf_weight_loading import WeightUpdateError
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.tiny_model import make_tiny_qwen3_moe

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.config.sampling import SamplingParams, TurnLimits
 from megatron_rl.rollout.agent.env import StepResult, get_env
-from megatron_rl.rollout.agent.multi_turn import TurnLimits, generate_with_envs
+from megatron_rl.rollout.agent.multi_turn import generate_with_envs
 from megatron_rl.rollout.agent.tool_env import ToolEnv
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
@@ -230,7 +230,7 @@ def test_collect_batch_makes_multi_turn_samples_with_masks_and_rewards(tokenizer
 
 def test_a_tool_without_isolation_is_warned_about_every_step(tmp_path: Path, tokenizer, caplog):
     from megatron_rl.config.loader import load_config
-    from megatron_rl.rollout.data import PromptData
+    from megatron_rl.trainer.rollout_phase import prompt_data
 
     class Stop(Exception):
         pass
@@ -243,7 +243,7 @@ def test_a_tool_without_isolation_is_warned_about_every_step(tmp_path: Path, tok
     train.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
     options = "rollout.env_options={tools: [python], tool_options: {python: {isolation: none}}}"
     cfg = load_config(overrides=["model.hf_path=unused", f"data.train={train}", "rollout.env=tools", options])
-    data = PromptData(cfg, tokenizer)
+    data = prompt_data(cfg, tokenizer)
     for step in (1, 2):
         with pytest.raises(Stop):
             data.collect(StoppingEngine(), step)

@@ -168,10 +168,11 @@ def test_auto_refuses_the_runs_unknown_sources_at_start_up(tmp_path: Path, token
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
-    def prompt_data(*overrides: str) -> PromptData:
+    def prompts(*overrides: str) -> PromptData:
         keys = ["model.hf_path=unused", f"data.train={train}", "data.prompt_key=question", *overrides]
-        return PromptData(load_config(overrides=keys), tokenizer)
+        cfg = load_config(overrides=keys)
+        return PromptData(cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer)
 
     with pytest.raises(ValueError, match="data.reward=auto does not know data_source 'my/data'"):
-        prompt_data("data.reward=auto")
-    assert prompt_data("data.reward=gsm8k").reward_fn.parts[0].name == "gsm8k"  # other rewards do not ask
+        prompts("data.reward=auto")
+    assert prompts("data.reward=gsm8k").reward_fn.parts[0].name == "gsm8k"  # other rewards do not ask

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.engines.sampling import check_sampling_params, sample_tokens
 
 LOGITS = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))

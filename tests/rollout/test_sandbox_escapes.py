@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout, TurnLimits
+from megatron_rl.config.sampling import TurnLimits
+from megatron_rl.rollout.agent.multi_turn import MultiTurnRollout
 from megatron_rl.rollout.agent.tool_env import ToolEnv
 from megatron_rl.rollout.agent.tools import isolation
 from megatron_rl.rollout.agent.tools.python_sandbox import UNISOLATED, PythonSandbox

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.rewards import compute_rewards
 from megatron_rl.rollout.sample import Sample

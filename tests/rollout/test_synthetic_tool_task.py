@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout.agent.multi_turn import TurnLimits, generate_with_envs
+from megatron_rl.config.sampling import SamplingParams, TurnLimits
+from megatron_rl.rollout.agent.multi_turn import generate_with_envs
 from megatron_rl.rollout.agent.tool_calls import CompactFormat, ToolCall, ToolCallError, get_tool_call_format
 from megatron_rl.rollout.agent.tool_env import ToolEnv
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.rewards import get_reward
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.tasks.synthetic_task import SyntheticTask

@@ -11,9 +11,9 @@ import pytest
 import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
+from megatron_rl.config.sampling import SamplingParams, TurnLimits
 from megatron_rl.rollout.agent.env import StepResult
-from megatron_rl.rollout.agent.multi_turn import TurnLimits, generate_with_envs
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.agent.multi_turn import generate_with_envs
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine, sampling_params_json
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, free_port
 from megatron_rl.rollout.sglang.weight_sync import (

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.models.architecture import model_dims
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers, request_json
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe

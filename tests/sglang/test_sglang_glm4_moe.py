@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from tests.actor.hf_reference import hf_score

@@ -24,7 +24,7 @@ import pytest
 import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
 from megatron_rl.rollout.sglang.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync

@@ -181,7 +181,7 @@ def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, m
     agreement 0.9975, mean |Δ| 3.0e-3 -> 2.8e-3, max |Δ| 6.2e-2 -> 1.3e-2, k3 KL 1.05e-5 -> 6.4e-6."""
     import pickle
 
-    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.config.sampling import SamplingParams
     from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from megatron_rl.tiny_model import build_char_tokenizer
     from tests.megatron.dist_harness import run_torchrun

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.engines.local_engine import LocalEngine
 from megatron_rl.rollout.partial_rollout import merge_continuation, version_spans
 from megatron_rl.rollout.sample import Sample

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_rl.config.options import ModelOptions
 from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.layers import block_spec
 from megatron_rl.megatron_backend.layers.grouped_experts import grouped_unsupported_reason, with_grouped_experts
 from megatron_rl.megatron_backend.layers.packed_attention import packed_variant, with_local_core_attention
 from megatron_rl.megatron_backend.layers.packed_rope import use_one_pass_thd_rope
@@ -148,7 +149,7 @@ def build_model(
     for stage in range(vpp):
         vp_stage = stage if layout.vpp else None
         if family.layer_spec is not None:
-            spec = family.layer_spec(config, te, vp_stage)
+            spec = block_spec(family.layer_spec)(config, te, vp_stage)
         else:
             spec = get_gpt_decoder_block_spec(
                 config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage

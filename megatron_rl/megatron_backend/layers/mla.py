@@ -10,11 +10,12 @@ from typing import Any
 
 from megatron_rl.megatron_backend.platform.mcore_compat import mla_resolves_norms_by_backend
 from megatron_rl.models.family import UnsupportedModelError
+from megatron_rl.models.mla import LATENT_NORM_EPS
 
 
-def mla_block_spec(config: Any, use_te: bool, vp_stage: int | None, latent_norm_eps: float) -> Any:
+def mla_block_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
     """The decoder block spec: Megatron's GPT spec, with the local spec's attention bridged
-    (`megatron_rl/models/mla.py`'s docstring says why); the latent norms take `latent_norm_eps`."""
+    (`megatron_rl/models/mla.py`'s docstring says why)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -23,10 +24,10 @@ def mla_block_spec(config: Any, use_te: bool, vp_stage: int | None, latent_norm_
             "q_lora_rank=None with the Transformer Engine spec on megatron-core 0.19: its MLA puts a fused RMSNorm "
             "before linear_q_proj that the HF model does not have; use model.options.layer_spec=local"
         )
-    if use_te and config.layernorm_epsilon != latent_norm_eps:
+    if use_te and config.layernorm_epsilon != LATENT_NORM_EPS:
         raise UnsupportedModelError(
             f"rms_norm_eps={config.layernorm_epsilon} with the Transformer Engine spec: its MLA latent norms (fused "
-            f"into the up projections) take rms_norm_eps, transformers' take {latent_norm_eps}; use "
+            f"into the up projections) take rms_norm_eps, transformers' take {LATENT_NORM_EPS}; use "
             "model.options.layer_spec=local"
         )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
@@ -38,7 +39,7 @@ def mla_block_spec(config: Any, use_te: bool, vp_stage: int | None, latent_norm_
         attn.module = attention
         attn.submodules.core_attention = core_attention
         attn.submodules.linear_q_down_proj = attn.submodules.linear_kv_down_proj = replicated_linear
-        latent_norm = _latent_norm(attn.submodules.kv_layernorm, latent_norm_eps)
+        latent_norm = _latent_norm(attn.submodules.kv_layernorm, LATENT_NORM_EPS)
         attn.submodules.kv_layernorm = latent_norm
         # no query latent, no query norm
         attn.submodules.q_layernorm = latent_norm if config.q_lora_rank is not None else IdentityOp

@@ -19,8 +19,9 @@ CI runs Megatron-Core on CPU with gloo. Megatron assumes CUDA in a few dozen pla
 * a gloo cost NCCL does not have: DDP's and the distributed optimizer's in-place reduce-scatter and
   all-gather of whole buffers over a group of one rank (the identity) return at once.
 
-The package: `cpu_bridge` (the bridges above), `ledger` (`cuda_hits()`), `accelerator` (device capabilities: pinned
-host buffers, the accelerator's RNG state, memory counters, synchronisation, the collective device) and
+The package: `cpu_bridge` (the bridges above), `ledger` (`cuda_hits()`), `megatron_rl.accelerator` (device
+capabilities, Megatron-free so the rollout side asks it too: pinned host buffers, the accelerator's RNG state, memory
+counters, synchronisation, the collective device) and
 `mcore_compat` (the version guard and each Megatron-Core 0.16/0.19 difference as a named function). Their public
 names are importable from here.
 
@@ -61,8 +62,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl.megatron_backend.platform import accelerator as _accelerator
-from megatron_rl.megatron_backend.platform.accelerator import (
+from megatron_rl import accelerator as _accelerator
+from megatron_rl.accelerator import (
     CopyDone,
     PlatformInfo,
     accelerator_names,

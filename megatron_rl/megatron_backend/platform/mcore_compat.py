@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from megatron_rl.megatron_backend.platform import accelerator as _accelerator
+from megatron_rl import accelerator as _accelerator
 
 SUPPORTED_MCORE: tuple[str, ...] = ("0.16.", "0.19.")
 """Megatron-Core release lines this module was checked against (version prefixes)."""

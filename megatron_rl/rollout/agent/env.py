@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.agent.trajectory import Trajectory
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.plugins import load_dotted, lookup_callable, register_in
 from megatron_rl.rollout.prompts import Prompt
 

@@ -9,23 +9,16 @@ weight version; the trajectory keeps them aligned to the one final sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
+from megatron_rl.config.sampling import SamplingParams, TurnLimits
 from megatron_rl.rollout.agent.env import Environment, GenerateFn, Observation, get_env, get_generate_fn
 from megatron_rl.rollout.agent.tools.isolation import IsolationUnavailable
 from megatron_rl.rollout.agent.trajectory import Trajectory, TrajectoryBuilder
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.prompts import Prompt
 from megatron_rl.rollout.sample import Sample
-
-
-@dataclass(frozen=True)
-class TurnLimits:
-    """Limits of one trajectory (`params.max_new_tokens` caps each turn)."""
-
-    max_turns: int = field(default=4, metadata={"help": "model turns per trajectory", "ge": 1})
-    max_tokens: int = field(default=2048, metadata={"help": "tokens per trajectory, prompt included", "ge": 2})
 
 
 def generate_with_envs(
@@ -180,3 +173,23 @@ def trajectory_to_sample(trajectory: Trajectory, group_index: int, tokenizer: An
         metadata=metadata,
         loss_mask=list(trajectory.loss_mask),
     )
+
+
+def multi_turn_metrics(samples: list) -> dict[str, float]:
+    """Multi-turn rollouts: turns per trajectory, the environment's counters per trajectory (tool calls, tool
+    errors, ...), the tool-call success rate, and the share of response tokens that are observations."""
+    n = len(samples)
+    counters: dict[str, float] = {}
+    for s in samples:
+        for name, value in s.metadata.get("env_metrics", {}).items():
+            counters[name] = counters.get(name, 0.0) + value
+    response = sum(len(s.response_ids) for s in samples)
+    observed = sum(len(s.response_ids) - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
+    metrics = {
+        "multi_turn/turns_mean": sum(s.metadata.get("turns", 1) for s in samples) / n,
+        "multi_turn/observation_token_share": observed / max(response, 1),
+        **{f"multi_turn/{name}_per_trajectory": total / n for name, total in sorted(counters.items())},
+    }
+    if counters.get("tool_calls"):
+        metrics["multi_turn/tool_success_rate"] = 1.0 - counters.get("tool_errors", 0.0) / counters["tool_calls"]
+    return metrics

@@ -3,28 +3,41 @@ child process) or SGLang servers (connected to or launched with the command-line
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.weight_version import weight_version
 
 
-def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
-    """The engine of `cfg.rollout`, serving the HF model in `model_dir` (the local engine runs on `device`)."""
-    if cfg.rollout.engine == "local":
-        return build_local_engine(cfg, model_dir, device)
+@dataclass(frozen=True)
+class EngineRun:
+    """What an engine needs to know of the run besides its `rollout` section: where the run writes (SGLang's logs
+    and key file), whether generation runs ahead of training (`trainer.mode: async`) and whether samples carry
+    their routes (`algo.routing_replay: R3`)."""
+
+    output_dir: str
+    asynchronous: bool = False
+    return_routes: bool = False
+
+
+def build_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device: torch.device) -> RolloutEngine:
+    """The engine of the `rollout` section, serving the HF model in `model_dir` (the local engine runs on
+    `device`)."""
+    if rollout.engine == "local":
+        return build_local_engine(rollout, run, model_dir, device)
     from megatron_rl.rollout.sglang.api_key import client_api_key, launch_api_key_file
     from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
     from megatron_rl.rollout.sglang.weight_sync import make_weight_sync
 
-    sg = cfg.rollout.sglang
+    sg = rollout.sglang
     refuse_models_sglang_builds_differently(model_dir)
-    if cfg.rollout.release_memory and device.type != "cuda":
+    if rollout.release_memory and device.type != "cuda":
         raise ValueError(
             "rollout.release_memory=true with rollout.engine=sglang needs GPUs: SGLang frees memory with "
             "torch_memory_saver (CUDA only), and its CPU server exits on /release_memory_occupation; set "
@@ -40,16 +53,16 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
                 python=sg.python,
                 num_servers=sg.num_servers,
                 ports=tuple(sg.base_port + i for i in range(sg.num_servers)),
-                extra_args=(*sglang_server_flags(cfg), *sg.extra_args),
-                log_dir=str(Path(cfg.trainer.output_dir) / "sglang_logs"),
+                extra_args=(*sglang_server_flags(rollout, return_routes=run.return_routes), *sg.extra_args),
+                log_dir=str(Path(run.output_dir) / "sglang_logs"),
                 startup_timeout_s=sg.startup_timeout_s,
                 router=sg.router,
                 router_policy=sg.router_policy,
-                api_key_file=str(launch_api_key_file(sg.api_key_file, cfg.trainer.output_dir)),
+                api_key_file=str(launch_api_key_file(sg.api_key_file, run.output_dir)),
             )
         )
     weight_sync = make_weight_sync(
-        cfg.rollout.weight_sync,
+        rollout.weight_sync,
         tp_size=sg.tp_size,
         master_address=sg.trainer_address,
         group_timeout_s=sg.group_timeout_s,
@@ -57,13 +70,13 @@ def build_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> Rollou
     return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
 
 
-def build_local_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> RolloutEngine:
+def build_local_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device: torch.device) -> RolloutEngine:
     """`LocalEngine` in the trainer's process, or in a child process (`ProcessEngine`) per
     `rollout.engine_process`."""
-    if local_engine_process(cfg) == "separate":
+    if local_engine_process(rollout, asynchronous=run.asynchronous) == "separate":
         from megatron_rl.rollout.engines.engine_process import ProcessEngine
 
-        threads = cfg.rollout.engine_threads
+        threads = rollout.engine_threads
         engine = ProcessEngine(model_dir, device=device, weight_version=weight_version(0), torch_threads=threads)
         if device.type == "cpu":  # both processes compute on the same cores: the engine's come out of the trainer's
             torch.set_num_threads(max(1, torch.get_num_threads() - threads))
@@ -73,12 +86,12 @@ def build_local_engine(cfg: RLConfig, model_dir: Path, device: torch.device) -> 
     return LocalEngine(model_dir, device=device, weight_version=weight_version(0))
 
 
-def local_engine_process(cfg: RLConfig) -> Literal["trainer", "separate"]:
-    """Where the local engine runs: `rollout.engine_process`, with "auto" = a child process in async mode (so
-    generation overlaps training), the trainer's process otherwise."""
-    if cfg.rollout.engine_process != "auto":
-        return cfg.rollout.engine_process
-    return "separate" if cfg.trainer.mode == "async" else "trainer"
+def local_engine_process(rollout: RolloutConfig, *, asynchronous: bool) -> Literal["trainer", "separate"]:
+    """Where the local engine runs: `rollout.engine_process`, with "auto" = a child process in async mode
+    (`asynchronous`, so generation overlaps training), the trainer's process otherwise."""
+    if rollout.engine_process != "auto":
+        return rollout.engine_process
+    return "separate" if asynchronous else "trainer"
 
 
 # SGLang 0.5.23 builds every decoder layer of these families as MoE: it ignores `mlp_only_layers` and
@@ -115,13 +128,13 @@ def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
         )
 
 
-def sglang_server_flags(cfg: RLConfig) -> list[str]:
+def sglang_server_flags(rollout: RolloutConfig, *, return_routes: bool) -> list[str]:
     """`sglang.launch_server` flags implied by the config (parallelism, memory, R3 routes, memory release)."""
-    sg = cfg.rollout.sglang
+    sg = rollout.sglang
     flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
     flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
-    if cfg.algo.routing_replay == "R3":
+    if return_routes:
         flags.append("--enable-return-routed-experts")
-    if cfg.rollout.release_memory:
+    if rollout.release_memory:
         flags.append("--enable-memory-saver")
     return flags

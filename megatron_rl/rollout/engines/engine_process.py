@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.multiprocessing  # registers torch's tensor reductions with multiprocessing's pickler
 
-from megatron_rl.rollout.engine import NamedTensorBucket, RolloutEngineError, SamplingParams, ServedScores
+from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.engine import NamedTensorBucket, RolloutEngineError, ServedScores
 from megatron_rl.rollout.engines.engine_process_child import EngineLaunch, TensorSlot, bucket_slots, serve
 from megatron_rl.rollout.sample import Sample
 

@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.models.architecture import model_dims, route_recorder
-from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams, ServedScores
+from megatron_rl.rollout.engine import NamedTensorBucket, ServedScores
 from megatron_rl.rollout.engines.engine_memory import EngineMemory
 from megatron_rl.rollout.engines.hf_weight_loading import HFWeightLoader
 from megatron_rl.rollout.engines.sampling import check_sampling_params, is_greedy, sample_tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-6  # SGLang treats temperature below this as greedy
 

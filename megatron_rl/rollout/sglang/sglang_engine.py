@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.models.architecture import ModelDims, model_dims
 from megatron_rl.models.hf_config import read_hf_config
-from megatron_rl.rollout.engine import NamedTensorBucket, SamplingParams, ServedScores
+from megatron_rl.rollout.engine import NamedTensorBucket, ServedScores
 from megatron_rl.rollout.engines.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json

@@ -40,8 +40,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_rl import accelerator
 from megatron_rl.formats.safetensors_files import copy_files, is_weights_file, write_safetensors_dir
-from megatron_rl.megatron_backend import platform
 from megatron_rl.rollout.engine import NamedTensorBucket
 from megatron_rl.rollout.sglang.broadcast_store import GuardedStore
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, request_json
@@ -233,8 +233,8 @@ class DistributedWeightSync:
         random suffix that the servers learn only through the authenticated `/init_weights_update_group`. Raises
         `SGLangServerError` naming the address, the ranks and the likely cause when the group has not formed
         within `group_timeout_s`."""
-        backend = self.backend or platform.default_collective_backend()
-        self._device = platform.collective_device(backend)
+        backend = self.backend or accelerator.default_collective_backend()
+        self._device = accelerator.collective_device(backend)
         self._api_key = api_key
         self._group_id = f"{self.group_name}_{secrets.token_hex(16)}"
         listener = _listen(self.master_address, self.master_port)

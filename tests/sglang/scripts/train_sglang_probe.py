@@ -22,8 +22,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout import sync_probe
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang import sglang_engine
 from megatron_rl.rollout.sglang.weight_sync import TensorWeightSync
 

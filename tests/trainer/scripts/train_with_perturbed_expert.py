@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.engines import local_engine
 
 
