@@ -41,7 +41,7 @@ from megatron_rl.config.sampling import SamplingParams  # noqa: E402
 from megatron_rl.rollout.engines.local_engine import LocalEngine  # noqa: E402
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine  # noqa: E402
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers  # noqa: E402
-from megatron_rl.rollout.sglang.weight_sync import make_weight_sync  # noqa: E402
+from megatron_rl.rollout.sglang.sync_paths import make_weight_sync  # noqa: E402
 from megatron_rl.tiny_model import BENCH_SPEC, make_tiny_qwen3_moe  # noqa: E402
 
 BROADCAST_HELPER = """

@@ -153,3 +153,101 @@ def test_routing_imports_no_megatron() -> None:
     routing = [m for m in MODULES if m.startswith("megatron_rl.routing")]
     assert routing
     assert _third_party("", routing, {"megatron", "sglang", "sglang_router"}) == []
+
+
+def _package(module: str) -> str:
+    """The top-level part of `megatron_rl` a module belongs to (`megatron_rl.rollout.sglang.x` -> `rollout`)."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+# The layers, bottom up: each may import only the layers below it (and itself). `commands`, `api` and `cli` sit
+# on top and may import anything.
+LAYERS = [
+    {"jsonl", "net", "optional_deps", "accelerator", "parallel_layout", "algorithms", "formats", "models", "data"},
+    {"kernels", "routing", "tiny_model"},
+    {"config"},
+    {"launch", "rollout", "megatron_backend"},
+    {"evaluation"},
+    {"trainer"},
+]
+
+
+def test_no_arrow_runs_back_up_between_the_layers() -> None:
+    level = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    wrong = []
+    for module, targets in _graph().items():
+        source = _package(module)
+        if source not in level:
+            continue
+        for target in targets:
+            if level.get(_package(target), -1) > level[source]:
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_no_package_level_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        graph.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if _package(t) != _package(module)
+        )
+    for name in list(graph):
+        for target in graph[name]:
+            graph.setdefault(target, set())
+    assert _cycles(graph) == []
+
+
+def test_launch_config_rollout_and_models_import_nothing_of_the_backend() -> None:
+    """Plain data and the rollout side never import Megatron's side: model families, layouts, formats and the
+    config are Megatron-free, and the rollout runs without the trainer's package."""
+    wrong = [
+        f"{m} -> {t}"
+        for m, targets in _graph().items()
+        if _package(m) in {"launch", "config", "rollout", "models", "formats", "parallel_layout", "accelerator"}
+        for t in targets
+        if _package(t) == "megatron_backend"
+    ]
+    assert wrong == []
+
+
+def test_rollout_evaluation_and_models_take_their_sections_not_the_whole_config() -> None:
+    """Each part takes the config sections it reads; only the trainer, the commands and the config itself (its
+    loader and cross-section validation) handle `RLConfig`."""
+    wrong = [
+        f"{name}:{node.lineno}"
+        for name in MODULES
+        if _package(name) in {"rollout", "evaluation", "models", "megatron_backend"}
+        for imported, node in _imports(name)
+        if imported == "megatron_rl.config.schema.RLConfig"
+    ]
+    assert wrong == []
+
+
+def test_models_formats_and_layout_import_no_megatron_at_module_level() -> None:
+    """The families, the on-disk formats and the layout arithmetic load without Megatron (function-level imports
+    only: the layout builds Megatron's groups when asked)."""
+    modules = [m for m in MODULES if _package(m) in {"models", "formats", "parallel_layout", "accelerator"}]
+    tree = {m: ast.parse(MODULES[m].read_text()) for m in modules}
+    wrong = [
+        f"{m}:{node.lineno}"
+        for m, module in tree.items()
+        for node in module.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(n.startswith("megatron.") or n == "megatron" for n in _names(node))
+    ]
+    assert wrong == []
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+
+
+def test_no_module_over_500_lines_and_no_folder_over_15_modules() -> None:
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 500
+    }
+    folders: dict[Path, int] = {}
+    for path in MODULES.values():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = {str(f.relative_to(PACKAGE.parent)): n for f, n in folders.items() if n > 15}
+    assert long == {} and crowded == {}

@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.masking import masked_mean
-from megatron_rl.config.schema import AlgoConfig
+from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
 from megatron_rl.megatron_backend.actor.batch import LossFn, TokenBatch
 

@@ -9,8 +9,8 @@ import pytest
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.config import PRESETS, AlgoConfig, OfMaxNewTokens, load_config, preset_values
+from megatron_rl.config.algo import PresetName
 from megatron_rl.config.presets import CORE_KEYS
-from megatron_rl.config.schema import PresetName
 
 MAX_NEW = 1000
 BASE = ["model.hf_path=/models/m", f"rollout.sampling.max_new_tokens={MAX_NEW}"]

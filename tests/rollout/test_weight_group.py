@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.sglang import broadcast_store
+from megatron_rl.rollout.sglang.distributed_weight_sync import DistributedWeightSync
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError
-from megatron_rl.rollout.sglang.weight_sync import DistributedWeightSync
 
 STANDIN = Path(__file__).parent / "scripts" / "weight_group_standin.py"
 

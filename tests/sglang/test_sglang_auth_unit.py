@@ -146,7 +146,7 @@ def test_weight_sync_store_listens_on_the_trainer_address_only() -> None:
     import torch.distributed as dist
 
     from megatron_rl.rollout.sglang.broadcast_store import GuardedStore
-    from megatron_rl.rollout.sglang.weight_sync import _listen, _new_process_group
+    from megatron_rl.rollout.sglang.distributed_weight_sync import _listen, _new_process_group
 
     other = _non_loopback_ipv4()
     if other is None:

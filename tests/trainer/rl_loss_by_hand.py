@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.config.schema import AlgoConfig
+from megatron_rl.config.algo import AlgoConfig
 
 L_MAX = 24  # rollout.sampling.max_new_tokens: Dr. GRPO's constant normaliser
 KL_COEF, ENTROPY_COEF, TIS_CAP, CLIP_LOW, CLIP_HIGH = 0.05, 0.03, 1.5, 0.2, 0.28

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import AGGREGATIONS
-from megatron_rl.config.schema import AlgoConfig
+from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from tests.trainer.rl_loss_by_hand import PRESET_OF, hand_step, rl_algo

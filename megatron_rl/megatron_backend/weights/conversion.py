@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import resource
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -29,7 +28,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 
 from megatron_rl.formats.checkpoint_format import (
     HF_EXTRAS_DIR,
@@ -45,6 +43,7 @@ from megatron_rl.formats.checkpoint_format import (
 )
 from megatron_rl.formats.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
+from megatron_rl.megatron_backend.weights.checkpoint_extras import copy_checkpoint_extras
 from megatron_rl.megatron_backend.weights.hf_weights import (
     SafetensorsIndex,
     WeightMismatchError,
@@ -321,7 +320,7 @@ def megatron_to_hf(
         nonlocal notes
         config = {**hf, "torch_dtype": _HF_DTYPE_NAMES[target]}
         (staging / "config.json").write_text(json.dumps(config, indent=1))
-        notes = _copy_checkpoint_extras(path, staging, out_dir, hf_extras_from)
+        notes = copy_checkpoint_extras(path, staging, out_dir, hf_extras_from)
         if not (staging / "generation_config.json").is_file():
             generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=1))
@@ -330,80 +329,6 @@ def megatron_to_hf(
         model = _meta_model(hf, _stored_dtype(path / MEGATRON_DIR))
         written = write_safetensors_dir(out_dir, shards(model), extra_files=non_weight_files, overwrite=False)
     return replace(_report(written.tensors, written.bytes, start, largest, start_rss), notes=notes)
-
-
-def _extras_sources(checkpoint: Path, explicit: str | Path | None) -> list[tuple[Path, str]]:
-    """Where a checkpoint's tokenizer and generation files may be, first choice first, each with a description.
-
-    `--hf-extras`, the checkpoint's `hf/` (a converted checkpoint), then for a `megatron-rl train` checkpoint
-    (`<run>/checkpoints/step_*`) the run's `model.tokenizer_path` and `model.hf_path` from `<run>/config.yaml`.
-    """
-    if explicit is not None:
-        if not Path(explicit).is_dir():
-            raise FileNotFoundError(f"--hf-extras {explicit} is not a directory (an HF model directory is expected)")
-        return [(Path(explicit), f"--hf-extras {explicit}")]
-    sources = [(checkpoint / HF_EXTRAS_DIR, f"{checkpoint / HF_EXTRAS_DIR}")]
-    if checkpoint.parent.name != "checkpoints":
-        return sources
-    run = checkpoint.parent.parent
-    config = run / "config.yaml"
-    try:
-        saved = yaml.safe_load(config.read_text()) or {}
-        model, output_dir = saved.get("model") or {}, (saved.get("trainer") or {}).get("output_dir")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return [*sources, (config, f"{config} (missing or unreadable)")]
-    start_dir = _run_start_dir(run, output_dir)
-    seen: set[Path] = set()
-    for key in ("tokenizer_path", "hf_path"):
-        value = model.get(key)
-        if not isinstance(value, str) or start_dir / value in seen:
-            continue  # tokenizer_path defaults to hf_path: look there once
-        path = start_dir / value  # an absolute value stays as it is
-        seen.add(path)
-        sources.append((path, f"model.{key}={value} of {config}" + ("" if path.is_dir() else " (not found)")))
-    return sources
-
-
-def _run_start_dir(run: Path, output_dir: object) -> Path:
-    """The directory `megatron-rl train` ran in, where the relative paths of its config.yaml start.
-
-    Known when the config's `trainer.output_dir` is relative and `run` ends with it (`runs/x` -> the folder
-    holding `runs/`); otherwise the current directory.
-    """
-    parts = Path(output_dir).parts if isinstance(output_dir, str) and not Path(output_dir).is_absolute() else ()
-    resolved = run.resolve().parts
-    if parts and ".." not in parts and resolved[-len(parts) :] == parts:
-        return Path(*resolved[: -len(parts)])
-    return Path.cwd()
-
-
-def _copy_checkpoint_extras(checkpoint: Path, dest: Path, out: Path, explicit: str | Path | None) -> tuple[str, ...]:
-    """Copy the tokenizer files (all from one source) and generation_config.json; return notes on what is missing."""
-    sources = _extras_sources(checkpoint, explicit)
-    searched = "; ".join(where for _, where in sources)
-
-    def first_holding(names: list[str]) -> Path | None:
-        return next((d for d, _ in sources if d.is_dir() and any((d / n).is_file() for n in names)), None)
-
-    tokenizer_files = [name for name in HF_EXTRA_FILES if name != "generation_config.json"]
-    notes = []
-    tokenizer_dir = first_holding(tokenizer_files)  # all from one place: never mix two tokenizers' files
-    if tokenizer_dir is None:
-        notes.append(
-            f"{out} has no tokenizer: none of {', '.join(tokenizer_files)} found in {searched}; add them with "
-            "--hf-extras /path/to/hf_model (the model the checkpoint was trained from)"
-        )
-    else:
-        copy_files(tokenizer_dir, dest, tokenizer_files)
-    generation_dir = first_holding(["generation_config.json"])
-    if generation_dir is None:
-        notes.append(
-            f"{out}/generation_config.json holds only config.json's bos/eos/pad token ids: none found in "
-            f"{searched}; add the model's own with --hf-extras /path/to/hf_model"
-        )
-    else:
-        shutil.copy2(generation_dir / "generation_config.json", dest / "generation_config.json")
-    return tuple(notes)
 
 
 def _groups(sharded_state_dict: dict, bucket_bytes: int) -> Iterator[dict]:

@@ -33,7 +33,7 @@ def build_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device
     from megatron_rl.rollout.sglang.api_key import client_api_key, launch_api_key_file
     from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
-    from megatron_rl.rollout.sglang.weight_sync import make_weight_sync
+    from megatron_rl.rollout.sglang.sync_paths import make_weight_sync
 
     sg = rollout.sglang
     refuse_models_sglang_builds_differently(model_dir)

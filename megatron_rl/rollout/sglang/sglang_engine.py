@@ -38,7 +38,8 @@ from megatron_rl.rollout.engine import NamedTensorBucket, ServedScores
 from megatron_rl.rollout.engines.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
-from megatron_rl.rollout.sglang.weight_sync import SyncReport, WeightSync, make_weight_sync
+from megatron_rl.rollout.sglang.sync_paths import make_weight_sync
+from megatron_rl.rollout.sglang.weight_sync import SyncReport, WeightSync
 from megatron_rl.routing.cache import routes_dtype
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,124 @@
+"""The `algo` section: the loss, its clipping and aggregation, advantages, KL, rollout correction, dynamic
+sampling, overlong shaping and routing replay (`algo.preset` fills it; docs/algorithms.md has the equations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.config.fields import setting
+
+PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The RL objective: policy loss, aggregation, advantages, KL, rollout correction, DAPO shaping.
+
+    ``preset`` fills this section with a published algorithm's values (``presets.py``); any key set
+    explicitly in the YAML file or on the command line wins over the preset.
+    """
+
+    preset: PresetName = setting(
+        "none",
+        help="published algorithm whose values fill this section before explicit keys are applied "
+        "(none = the defaults below); see presets.py",
+    )
+    loss: str = setting("ppo", help="policy loss (megatron_rl.algorithms.POLICY_LOSSES)", registry=POLICY_LOSSES)
+    agg: str = setting(
+        "token-mean",
+        help="how per-token losses reduce to a scalar (verl's loss_agg_mode; megatron_rl.algorithms.AGGREGATIONS)",
+        registry=AGGREGATIONS,
+    )
+    agg_norm: float | None = setting(
+        None,
+        help="constant normaliser of seq-mean-token-sum-norm (Dr. GRPO: the generation cap L_max); required "
+        "with that mode, since the padded batch length would make the loss scale depend on padding",
+        gt=0,
+    )
+    clip_low: float = setting(0.2, help="eps_low: ratio clipped below at 1 - clip_low (cispo: >= 1 = no bound)", ge=0)
+    clip_high: float = setting(
+        0.2, help="eps_high: ratio clipped above at 1 + clip_high (DAPO Clip-Higher: 0.28)", ge=0
+    )
+    clip_c: float | None = setting(
+        None, help="dual-clip constant c > 1 for A < 0 (ppo loss only); null = no dual clip", gt=1
+    )
+    gspo_kernel: Literal["auto", "reference", "torch", "triton"] = setting(
+        "auto",
+        help="how loss=gspo/gspo_token with agg=seq-mean-token-mean is computed: reference = algorithms.policy_loss "
+        "on the padded batch; torch / triton = the packed one-pass loss of megatron_rl.kernels (triton: compiled "
+        "on GPU, TRITON_INTERPRET=1 on CPU); auto = triton for CUDA tensors when installed, reference otherwise",
+    )
+    tau_pos: float = setting(1.0, help="SAPO gate temperature for positive advantages", gt=0)
+    tau_neg: float = setting(1.05, help="SAPO gate temperature for non-positive advantages", gt=0)
+    advantage: str = setting(
+        "grpo",
+        help="advantage estimator (megatron_rl.algorithms.ADVANTAGE_ESTIMATORS); all are group-relative",
+        registry=ADVANTAGE_ESTIMATORS,
+    )
+    norm_adv_by_std: bool = setting(
+        True,
+        help="divide group-centred rewards by the group std (the grpo estimator's option; dr_grpo is grpo without it)",
+    )
+    kl_coef: float = setting(
+        0.0,
+        help="beta of the KL-to-reference term added to the loss (GRPO: 0.04); 0 = no reference model is built",
+        ge=0,
+    )
+    kl_estimator: str = setting(
+        "k3", help="KL estimator of the loss term (megatron_rl.algorithms.KL_ESTIMATORS)", registry=KL_ESTIMATORS
+    )
+    entropy_coef: float = setting(0.0, help="entropy bonus coefficient (loss -= entropy_coef * entropy)")
+    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop"] = setting(
+        "auto",
+        help="importance weights for the rollout-engine/trainer mismatch (and, in async mode, the behaviour "
+        "policy's staleness: decoupled PPO): tis = truncate at cap, mis = drop above cap, icepop = drop outside "
+        "[low, high]; auto = tis in async mode, none in sync mode (resolved when the config is loaded)",
+    )
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = setting(
+        "token", help="rollout-correction ratio per token, per sequence (product) or geometric mean"
+    )
+    rollout_correction_cap: float = setting(2.0, help="cap C of tis / mis", gt=0)
+    rollout_correction_low: float = setting(0.5, help="icepop lower bound alpha", ge=0)
+    rollout_correction_high: float = setting(5.0, help="icepop upper bound beta", ge=0)
+    dynamic_sampling: bool = setting(
+        False, help="DAPO dynamic sampling: drop groups whose rewards are all equal, regenerate until the batch is full"
+    )
+    max_dynamic_tries: int = setting(
+        10, help="generation rounds per step dynamic sampling may use before training on what it has", ge=1
+    )
+    overlong_buffer: int = setting(
+        0,
+        help="DAPO soft overlong penalty L_cache in tokens: the penalty ramps from 0 at max_new_tokens - "
+        "L_cache to -overlong_penalty_factor at max_new_tokens; 0 = off",
+        ge=0,
+    )
+    overlong_penalty_factor: float = setting(1.0, help="size of the full overlong penalty", ge=0)
+    overlong_filter: bool = setting(False, help="mask the loss of truncated responses (DAPO overlong filtering)")
+    routing_replay: Literal["off", "R2", "R3"] = setting(
+        "off",
+        help="MoE routing replay: R2 = record routes in the old-policy pass and replay them in training; R3 = "
+        "replay the rollout engine's routes in every training-side pass",
+    )
+    replay_check: Literal["every_step", "first_step", "off"] = setting(
+        "every_step",
+        help="routing replay: check at every router call that the replayed experts were used and each micro-batch's "
+        "routes consumed exactly once (RouteReplayError otherwise) in every RL step, only in the first RL step of "
+        "each start (alignment is a property of the code and layout, not of the step), or never",
+    )
+    replay_agreement_every: int = setting(
+        1,
+        help="routing replay: measure routing/agreement (replayed vs the current weights' own routes; one router "
+        "matmul per MoE layer and pass) every this many RL steps; 0 = never",
+        ge=0,
+    )
+    ppo_epochs: int = setting(
+        1, help="passes over each rollout batch (later passes run the same mini-batches in a seeded order)", ge=1
+    )
+    mini_batches_per_step: int = setting(
+        1,
+        help="optimizer updates per pass: the rollout batch is split into this many mini-batches (updates per "
+        "step = ppo_epochs * mini_batches_per_step)",
+        ge=1,
+    )
