@@ -1,18 +1,17 @@
 """The RL training loop, explicit: rollout -> rewards -> advantages -> old/ref log-probs -> updates -> sync.
 
-Read top to bottom: `train(cfg)` plans the run folder, builds the parts of a step (`StepParts`), warms the
-policy up with supervised steps when asked, then runs `trainer.steps` RL steps (`rl_step`), checkpointing
-and evaluating between them. Rank 0 owns the rollout engine and sends each data-parallel rank only the samples it
-trains on (`step_plan`, `rollout_phase.share_rows`); all ranks train. In async mode (`trainer.mode: async`) rank
-0's batches come from a producer thread that generates ahead of the trainer (`async_rollout`); the step is
-otherwise the same.
+Read top to bottom: `train(cfg)` plans the run folder, builds the parts of a step (`StepParts`), warms the policy
+up with supervised steps when asked, then runs `trainer.steps` RL steps (`rl_step`), checkpointing and evaluating
+between them. Rank 0 owns the rollout engine and sends each data-parallel rank only the samples it trains on
+(`step_plan`, `rollout_phase.share_rows`); all ranks train. In async mode (`trainer.mode: async`) rank 0's batches
+come from a producer thread that generates ahead of the trainer (`async_rollout`); the step is otherwise the same.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +70,7 @@ from megatron_rl.trainer.rollout_phase import (
     sync_or_defer,
     sync_weights,
 )
+from megatron_rl.trainer.run_state import RunState
 from megatron_rl.trainer.step_metrics import mismatch_metrics, mismatch_sums, update_metrics
 from megatron_rl.trainer.step_plan import RankRows, plan_step
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
@@ -138,8 +138,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
         dims = model_dims(hf)
         init_process_groups(cfg, dims)
         rank0 = stop.announce = dist.get_rank() == 0
-        engines: list = []  # the rollout engine (and async mode's producer, first) once built: shut down however
-        # the run ends
+        closing = ExitStack()  # the rollout engine and async mode's producer: shut down however the run ends
         try:
             # Rank 0 decides how this start uses output_dir, before the model is built; every rank gets the verdict.
             plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
@@ -153,11 +152,10 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
                 run_dir.start_run(plan)
             dist.barrier()
             stop.last_checkpoint = plan.start_step if plan.resume_from is not None else None
-            return _run(cfg, plan, model_dir, dims, stop, engines, verbose)
+            return _run(cfg, plan, model_dir, dims, stop, closing, verbose)
         finally:
             gc.unfreeze()
-            for engine in engines:
-                engine.shutdown()
+            closing.close()  # the producer first, then the engine
             shutdown()
 
 
@@ -182,18 +180,18 @@ def _run(
     model_dir: Path,
     dims: ModelDims,
     stop: StopSignals,
-    engines: list,
+    closing: ExitStack,
     verbose: bool,
 ) -> TrainResult:
     rank0 = dist.get_rank() == 0
-    parts, state = _build_parts(cfg, plan, model_dir, dims, engines)
+    parts, state = _build_parts(cfg, plan, model_dir, dims, closing)
     # The model, optimizer, engine and libraries live for the whole run: keep them out of the garbage collector's
     # full collections, which otherwise walk them all (0.1-2 s each, about 8 per 14 demo steps).
     gc.freeze()
     log = None
     if rank0:
         dump_yaml(cfg, plan.output_dir / "config.yaml")
-        print(format_config(cfg) if verbose else run_header(cfg, dims, plan.resume_from, state["step"]), flush=True)
+        print(format_config(cfg) if verbose else run_header(cfg, dims, plan.resume_from, state.step), flush=True)
         log = RunLog(
             cfg.logging,
             plan.output_dir,
@@ -204,14 +202,14 @@ def _run(
             samples=SampleLog(cfg.logging, plan.output_dir, parts.tokenizer, first_step=plan.first_logged_step),
         )
         parts.samples_log = log.samples
-        if plan.resume_from is not None and state.get("metrics_row") is not None:
-            log.restore_row(state["step"], state["metrics_row"])
+        if plan.resume_from is not None and state.metrics_row is not None:
+            log.restore_row(state.step, state.metrics_row)
     warmup = WarmupRun(plan.output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
     if not _prepare_policy(parts, state, model_dir, plan.output_dir / WARMUP_MODEL, warmup):  # a signal mid-SFT
         plots = log.close() if log is not None else []
         return TrainResult(plan.output_dir, [], plots, stopped_by=warmup.stopped_by)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
-    if state["step"] == 0 and evaluating:
+    if state.step == 0 and evaluating:
         parts.memory.for_rollout()
         if log is not None:
             log.log(0, parts.evaluate(0))  # the curve's start
@@ -220,20 +218,20 @@ def _run(
             cfg,
             parts.engine,
             parts.data,
-            next_step=state["step"] + 1,
+            next_step=state.step + 1,
             last_step=cfg.trainer.steps,
-            version=state["step"],
-            queued=[ProducedBatch.from_json(b) for b in state.get("queued", [])],
+            version=state.step,
+            queued=[ProducedBatch.from_json(b) for b in state.queued],
         )
-        engines.insert(0, parts.producer)
+        closing.callback(parts.producer.shutdown)
         parts.source = AsyncRollout(parts.producer)
 
     stopped_by = None
     saves = checkpoint.BackgroundSaves() if cfg.trainer.async_save else None
     stop.armed = True  # from here a Ctrl-C / SIGTERM stops at the next step boundary
-    for step in range(state["step"] + 1, cfg.trainer.steps + 1):
+    for step in range(state.step + 1, cfg.trainer.steps + 1):
         stop.step = step
-        metrics = rl_step(parts, step, first_step=state["step"] + 1)
+        metrics = rl_step(parts, step, first_step=state.step + 1)
         problem = fidelity_problem(parts.guard, step, metrics)  # collective: every rank stops together
         if problem is not None:
             if log is not None:
@@ -263,8 +261,8 @@ def _run(
 
 
 def _build_parts(
-    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: ModelDims, engines: list
-) -> tuple[StepParts, dict]:
+    cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: ModelDims, closing: ExitStack
+) -> tuple[StepParts, RunState]:
     """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     data = prompt_data(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
@@ -276,19 +274,21 @@ def _build_parts(
     actor = build_actor(cfg, model_dir)
     engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if dist.get_rank() == 0 else None
     if engine is not None:
-        engines.append(engine)
-    state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
+        closing.callback(engine.shutdown)
+    state = RunState()
     if plan.resume_from is not None:
-        state = checkpoint.load_checkpoint(actor, plan.resume_from)
-        data.load_state_dict(state["data"])
+        state = RunState.from_saved(checkpoint.load_checkpoint(actor, plan.resume_from))
+        data.load_state_dict(state.data)
     memory = ColocatedMemory(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
     source = SyncRollout(engine, data) if engine is not None else None  # async mode: replaced once warmed up
-    parts = StepParts(cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source)
-    parts.evaluator = evaluator if engine is not None else None
-    parts.verifier = build_verifier(cfg.rollout, data)
-    parts.guard = FidelityGuard(stop_rules(cfg)[0])
+    parts = StepParts(
+        cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
+        evaluator=evaluator if engine is not None else None,
+        verifier=build_verifier(cfg.rollout, data),
+        guard=FidelityGuard(stop_rules(cfg)[0]),
+    )  # fmt: skip
     return parts, state
 
 
@@ -314,23 +314,23 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
     )
 
 
-def _prepare_policy(parts: StepParts, state: dict, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
+def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
     """The supervised warm-up (once per run, continued from a mid-SFT checkpoint; its result is kept in HF format
     in `warmed_up`), the KL reference (the policy RL starts from: the warmed-up model, else the initial one), and
     the first sync. False when a signal stopped the warm-up (nothing else is done)."""
     cfg, actor = parts.cfg, parts.actor
-    if not state["sft_done"] and cfg.warmup.sft_steps > 0:
+    if not state.sft_done and cfg.warmup.sft_steps > 0:
         parts.memory.for_training()
         if not run_warmup(cfg, actor, parts.data, state, warmup):
             return False
         actor.reset_optimizer_state()
         save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
-        state["sft_done"] = True
+        state.sft_done = True
     if cfg.algo.kl_coef > 0:
         parts.reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
-    sync_weights(actor, parts.engine, cfg, version=weight_version(state["step"]), verifier=parts.verifier)
+    sync_weights(actor, parts.engine, cfg, version=weight_version(state.step), verifier=parts.verifier)
     return True
 
 
@@ -355,7 +355,7 @@ def _save(
             parts.actor,
             plan.checkpoint_root,
             step,
-            {"step": step, "sft_done": True, **rollout, "metrics_row": row},
+            RunState(step=step, sft_done=True, metrics_row=row, **rollout).saved(),
             keep_last=parts.cfg.trainer.keep_last or 10**9,
             run_id=plan.identity.run_id,
             background=saves,

@@ -19,6 +19,7 @@ from megatron_rl.rollout.data import open_sft_source
 from megatron_rl.trainer.guards.stop_signals import StopSignals
 from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.loop import WARMUP_MODEL, build_actor, init_process_groups, load_tokenizer, prepare_model_dir
+from megatron_rl.trainer.run_state import RunState
 from megatron_rl.trainer.warmup import SFT_METRICS, WarmupRun, check_warmup_data, read_sft_metrics, run_warmup
 
 
@@ -57,10 +58,10 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
             source = open_sft_source(cfg.warmup, cfg.data, cfg.trainer.seed, tokenizer)
             check_warmup_data(source, max_positions(hf))
             actor = build_actor(cfg, model_dir)
-            state: dict[str, Any] = {"step": 0, "sft_done": False, "data": None}
+            state = RunState()
             if plan.resume_from is not None:
-                state = checkpoint.load_checkpoint(actor, plan.resume_from)
-                if state.get("sft_done"):
+                state = RunState.from_saved(checkpoint.load_checkpoint(actor, plan.resume_from))
+                if state.sft_done:
                     raise ValueError(
                         f"{output_dir} holds an RL run past its warm-up (checkpoint {plan.resume_from.name}): "
                         "megatron-rl sft needs a folder of its own; set trainer.output_dir to another folder"

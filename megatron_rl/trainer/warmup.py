@@ -26,6 +26,7 @@ from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.trainer.guards.stop_signals import StopSignals
+from megatron_rl.trainer.run_state import RunState
 
 SFT_METRICS = "sft_metrics.jsonl"  # one row per warm-up step: sft_step, sft/nll, sft/tokens, time/sft_step
 SFT_PLOT = "sft_nll.png"
@@ -76,11 +77,11 @@ def supervised_warmup(
     return w.sft_steps
 
 
-def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: dict, where: WarmupRun) -> bool:
-    """Collective. The warm-up from `state["sft_step"]` (0 for a fresh run) with its metrics rows and mid-SFT
+def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: RunState, where: WarmupRun) -> bool:
+    """Collective. The warm-up from `state.sft_step` (0 for a fresh run) with its metrics rows and mid-SFT
     checkpoints (see the module docstring). False when a signal stopped it (checkpointed as asked)."""
     rank0 = dist.get_rank() == 0
-    first = int(state.get("sft_step") or 0)
+    first = state.sft_step
     log = SFTLog(where.output_dir, first_step=first) if rank0 else None
     every = cfg.warmup.save_every
     last_saved = first if first else None
@@ -89,7 +90,7 @@ def run_warmup(cfg: RLConfig, actor: MegatronActor, data: Any, state: dict, wher
         stop.armed = True  # a Ctrl-C / SIGTERM stops at the next warm-up step boundary
 
     def save(k: int) -> None:
-        sft_state = {"step": 0, "sft_done": False, "sft_step": k, "data": data_state(data), "metrics_row": None}
+        sft_state = RunState(sft_step=k, data=data_state(data)).saved()
         what = f"checkpoint of SFT step {k}"
         with stop.writing(what) if stop is not None else nullcontext():
             checkpoint.save_checkpoint(
