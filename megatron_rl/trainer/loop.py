@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,6 @@ from megatron_rl.megatron_backend.distributed import (
     data_parallel_rank_and_size,
     init_distributed,
     shutdown,
-    sum_over_data_parallel,
 )
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
@@ -61,6 +60,7 @@ from megatron_rl.trainer.old_policy_scores import score_old_and_reference
 from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
+    NoRollout,
     RolloutSource,
     SyncRollout,
     collect_rollout,
@@ -71,7 +71,7 @@ from megatron_rl.trainer.rollout_phase import (
     sync_weights,
 )
 from megatron_rl.trainer.run_state import RunState
-from megatron_rl.trainer.step_metrics import mismatch_metrics, mismatch_sums, update_metrics
+from megatron_rl.trainer.step_metrics import scoring_metrics, update_metrics
 from megatron_rl.trainer.step_plan import RankRows, plan_step
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
@@ -89,8 +89,7 @@ class TrainResult:
 
 @dataclass
 class StepParts:
-    """What an RL step works with. `engine` is rank 0's rollout engine and `source` where its step batches come
-    from (both None on the other ranks)."""
+    """What an RL step works with. `engine` is rank 0's rollout engine (None on the other ranks)."""
 
     cfg: RLConfig
     actor: MegatronActor
@@ -100,7 +99,7 @@ class StepParts:
     tokenizer: Any
     loss_fn: LossFn
     memory: ColocatedMemory
-    source: RolloutSource | None = None
+    source: RolloutSource = NoRollout()  # rank 0: where its step batches come from (SyncRollout, AsyncRollout)
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
@@ -282,7 +281,7 @@ def _build_parts(
     memory = ColocatedMemory(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
-    source = SyncRollout(engine, data) if engine is not None else None  # async mode: replaced once warmed up
+    source = SyncRollout(engine, data) if engine is not None else NoRollout()  # async: replaced once warmed up
     parts = StepParts(
         cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
         evaluator=evaluator if engine is not None else None,
@@ -389,7 +388,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     timings["time/rollout"] = time.perf_counter() - t0
     if not rollout.lengths:  # dynamic sampling kept no group within its tries: nothing to learn from this step
         if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
-            with p.source.updating(step) if p.source is not None else nullcontext():
+            with p.source.updating(step):
                 what = f"step {step}: weight sync"
                 sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
         elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
@@ -425,11 +424,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     replay = replay_checks(cfg, step, first_step)
     entropy = score_old_and_reference(actor, p.reference, batch, rows, routes, replay)
     timings["time/old_logp"] = time.perf_counter() - t
-    mismatch = mismatch_sums(batch, batch.fields["old_log_probs"], entropy)
-    received_bytes = torch.tensor([float(received)], dtype=torch.float64)
-    reduced = sum_over_data_parallel(torch.cat([mismatch, received_bytes]), max_last=2)
-    metrics.update(mismatch_metrics(reduced[:-1]))
-    metrics["data/rows"], metrics["data/bytes_received_max"] = float(len(rows.rows)), float(reduced[-1])
+    metrics.update(scoring_metrics(batch, entropy, received_bytes=received))
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     t = time.perf_counter()
@@ -457,7 +452,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     # 5. Weight sync to the rollout engine (async mode: between the producer's requests, on its schedule).
     t = time.perf_counter()
     p.memory.for_weight_sync()
-    with p.source.updating(step) if p.source is not None else nullcontext():
+    with p.source.updating(step):
         what = f"step {step}: weight sync"
         sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
     timings["time/weight_sync"] = time.perf_counter() - t

@@ -80,6 +80,20 @@ class StepRollout:
     samples: list[Sample] | None = None
 
 
+class NoRollout:
+    """The `RolloutSource` of the ranks that hold no engine (all but rank 0): they produce nothing and their
+    weight updates wait on nothing."""
+
+    def produce(self, step: int) -> tuple[list, dict[str, float]]:
+        raise RuntimeError("only rank 0 produces rollouts")
+
+    def rewind(self) -> None:
+        pass
+
+    def updating(self, version: int, *, on_schedule: bool = True) -> AbstractContextManager:
+        return nullcontext()
+
+
 def prompt_data(cfg: Any, tokenizer: Any) -> PromptData:
     """The run's prompts (`rollout.data.PromptData`) from the sections of `cfg` (an `RLConfig`) they read."""
     return PromptData(cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer)
@@ -95,7 +109,7 @@ def collect_rollout(
     step: int,
     actor: MegatronActor,
     engine: RolloutEngine | None,
-    source: RolloutSource | None,
+    source: RolloutSource,
     memory: ColocatedMemory,
     verifier: SyncVerifier | None = None,
 ) -> StepRollout:
@@ -107,7 +121,7 @@ def collect_rollout(
     while True:
         outcome: Any = None
         samples: list[Sample] = []
-        if engine is not None and source is not None:
+        if engine is not None:
             try:
                 samples, metrics = source.produce(step)
                 unscored = [i for i, s in enumerate(samples) if s.reward is None]
@@ -136,7 +150,7 @@ def collect_rollout(
             return dataclasses.replace(outcome, samples=samples if engine is not None else None)
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
-        with source.updating(step - 1, on_schedule=False) if source is not None else nullcontext():
+        with source.updating(step - 1, on_schedule=False):
             what = f"step {step}: re-sending the weights"
             sync_or_defer(actor, engine, cfg, version=weight_version(step - 1), what=what, verifier=verifier)
         memory.for_rollout()

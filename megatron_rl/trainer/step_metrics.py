@@ -1,4 +1,5 @@
-"""The metrics one RL step reports: rollout, trainer-vs-engine mismatch, and the updates' means."""
+"""The metrics one RL step reports: rollout, trainer-vs-engine mismatch, and the updates' means. Pure functions of
+their inputs, except `scoring_metrics`, which sums this rank's share over the data-parallel ranks (collective)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from megatron_rl.algorithms import kl_penalty
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
+from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.rollout.agent.multi_turn import multi_turn_metrics
 
 
@@ -74,6 +76,19 @@ def mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
         "mismatch/logp_abs_diff_max": largest,
         "mismatch/k3_kl": k3 / tokens,
         "actor/entropy_old": entropy / tokens,
+    }
+
+
+def scoring_metrics(batch: TokenBatch, entropy: torch.Tensor, *, received_bytes: int) -> dict[str, float]:
+    """Collective. The mismatch metrics of the whole step from this rank's rows (`batch`, scored), and what the
+    data path moved: `data/rows` (this rank's rows), `data/bytes_received_max` (over the data-parallel ranks)."""
+    sums = mismatch_sums(batch, batch.fields["old_log_probs"], entropy)
+    received = torch.tensor([float(received_bytes)], dtype=torch.float64)
+    reduced = sum_over_data_parallel(torch.cat([sums, received]), max_last=2)
+    return {
+        **mismatch_metrics(reduced[:-1]),
+        "data/rows": float(batch.size),
+        "data/bytes_received_max": float(reduced[-1]),
     }
 
 
