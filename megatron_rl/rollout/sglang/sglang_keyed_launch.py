@@ -9,8 +9,8 @@ process has the key replaced by "<redacted>". SGLang's spawned scheduler process
 a pipe, not a command line.
 
 Runs with the SGLang virtualenv's Python, which does not have megatron_rl installed: standard library only.
-`-P` (or the path fix-up below) keeps this directory's modules (engine.py, sampling.py, ...) from shadowing
-SGLang's imports.
+`-P` (or the path fix-up below) keeps this directory off `sys.path`, so none of its modules can shadow a
+module SGLang imports.
 """
 
 from __future__ import annotations
