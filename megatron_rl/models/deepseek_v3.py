@@ -21,6 +21,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
 )
@@ -66,20 +67,14 @@ def dims(hf: HFConfig) -> ModelDims:
     routers.grouped_top_k(hf)
     heads = int(hf["num_attention_heads"])
     rope = int(hf["qk_rope_head_dim"])
-    return ModelDims(
-        model_type="deepseek_v3",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads,
+    return decoder_dims(
+        hf,
+        "deepseek_v3",
+        default_positions=4096,
         num_query_groups=heads,  # MLA: one key and value per head, expanded from the shared latent
         head_dim=int(hf["qk_nope_head_dim"]) + rope,  # a query's / key's width
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=int(hf["n_routed_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=moe_layer_pattern(hf),
-        ffn_hidden_size=int(hf["intermediate_size"]),
         moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
         renormalize_top_k=bool(hf.get("norm_topk_prob", True)),
         shared_expert_ffn_hidden_size=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts") or 0),

@@ -204,6 +204,34 @@ def supported_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
+def decoder_dims(hf: HFConfig, model_type: str, *, default_positions: int, **deltas: Any) -> ModelDims:
+    """A decoder's `ModelDims` from the config.json keys the families read alike (transformers' names: vocabulary,
+    widths, layers, heads and query groups, head_dim or hidden / heads, positions with the family's
+    `default_positions`, tied embeddings, top-k, the dense FFN), with `deltas` for the fields the family reads
+    otherwise or adds (experts, MoE layers, shared experts, norms, biases, MLA). Refuses heads that are not a
+    multiple of the query groups."""
+    heads = int(hf["num_attention_heads"])
+    common: dict[str, Any] = dict(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        max_position_embeddings=int(hf.get("max_position_embeddings", default_positions)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        top_k=int(hf["num_experts_per_tok"]),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+    )
+    common.update(deltas)
+    if heads % common["num_query_groups"]:
+        raise UnsupportedModelError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={common['num_query_groups']}"
+        )
+    return ModelDims(**common)
+
+
 def require_keys(hf_config: HFConfig, *keys: str) -> None:
     missing = [k for k in keys if k not in hf_config]
     if missing:

@@ -31,6 +31,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
     rope_theta,
@@ -76,10 +77,7 @@ def dims(hf: HFConfig) -> ModelDims:
     require_keys(hf, *REQUIRED_KEYS)
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"glm4_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-    heads, groups = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"])
-    if heads % groups:
-        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
     factor = partial_rotary_factor(hf)
     rotary_dims = int(head_dim * factor)
     if not 0 < factor <= 1 or rotary_dims % 2:
@@ -97,20 +95,13 @@ def dims(hf: HFConfig) -> ModelDims:
         )
     layers = int(hf["num_hidden_layers"])
     dense = int(hf.get("first_k_dense_replace", 1))
-    return ModelDims(
-        model_type="glm4_moe",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_query_groups=groups,
+    return decoder_dims(
+        hf,
+        "glm4_moe",
+        default_positions=131072,
         head_dim=head_dim,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=int(hf["n_routed_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=tuple(int(i >= dense) for i in range(layers)),
-        ffn_hidden_size=int(hf["intermediate_size"]),
         moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
         shared_expert_ffn_hidden_size=int(hf["moe_intermediate_size"]) * shared,
         qk_layernorm=bool(hf.get("use_qk_norm", False)),

@@ -41,6 +41,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
 )
@@ -141,26 +142,14 @@ def dims(hf: HFConfig) -> ModelDims:
         raise UnsupportedModelError(
             f"gpt_oss config.json has experts_per_token={hf['experts_per_token']} != num_experts_per_tok={top_k}"
         )
-    heads, groups = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"])
-    if heads % groups:
-        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     layer_types(hf)
     rope_parameters(hf)
-    n = int(hf["num_hidden_layers"])
-    return ModelDims(
-        model_type="gpt_oss",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=n,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    return decoder_dims(
+        hf,
+        "gpt_oss",
+        default_positions=131072,
         num_experts=int(hf["num_local_experts"]),
-        top_k=top_k,
-        moe_layer_pattern=(1,) * n,
-        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_layer_pattern=(1,) * int(hf["num_hidden_layers"]),
         moe_ffn_hidden_size=int(hf["intermediate_size"]),
         qkv_bias=True,
         # HF softmaxes the top-k router logits = Megatron's moe_router_pre_softmax=False

@@ -14,6 +14,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
     rope_theta,
@@ -43,22 +44,12 @@ def dims(hf: HFConfig) -> ModelDims:
     window = hf.get("sliding_window")
     if window and int(window) < int(hf.get("max_position_embeddings", 32768)):
         raise UnsupportedModelError(f"mixtral with sliding_window={window} is not supported (use null)")
-    heads = int(hf["num_attention_heads"])
-    layers = int(hf["num_hidden_layers"])
-    return ModelDims(
-        model_type="mixtral",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_query_groups=int(hf["num_key_value_heads"]),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    return decoder_dims(
+        hf,
+        "mixtral",
+        default_positions=32768,
         num_experts=int(hf["num_local_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
-        moe_layer_pattern=(1,) * layers,
-        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_layer_pattern=(1,) * int(hf["num_hidden_layers"]),
         moe_ffn_hidden_size=int(hf["intermediate_size"]),
         renormalize_top_k=True,
     )

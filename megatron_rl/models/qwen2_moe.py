@@ -14,6 +14,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
     rope_theta,
@@ -39,21 +40,12 @@ def dims(hf: HFConfig) -> ModelDims:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"qwen2_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
     moe_decoder.refuse_sliding_layers(hf)
-    heads = int(hf["num_attention_heads"])
-    return ModelDims(
-        model_type="qwen2_moe",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_query_groups=int(hf["num_key_value_heads"]),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),  # as transformers reads it
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    return decoder_dims(
+        hf,
+        "qwen2_moe",
+        default_positions=32768,
         num_experts=int(hf["num_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=moe_decoder.moe_layer_pattern(hf),
-        ffn_hidden_size=int(hf["intermediate_size"]),
         moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
         shared_expert_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0),
         qkv_bias=bool(hf.get("qkv_bias", True)),

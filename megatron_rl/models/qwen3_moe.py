@@ -20,6 +20,7 @@ from megatron_rl.models.family import (
     ModelDims,
     ModelFamily,
     UnsupportedModelError,
+    decoder_dims,
     register_family,
     require_keys,
     rope_theta,
@@ -57,24 +58,12 @@ def dims(hf: HFConfig) -> ModelDims:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"qwen3_moe with hidden_act={hf['hidden_act']!r} is not supported (only silu)")
     moe_decoder.refuse_sliding_layers(hf)
-    heads = int(hf["num_attention_heads"])
-    groups = int(hf["num_key_value_heads"])
-    if heads % groups:
-        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    return ModelDims(
-        model_type="qwen3_moe",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    return decoder_dims(
+        hf,
+        "qwen3_moe",
+        default_positions=32768,
         num_experts=_num_experts(hf),
-        top_k=int(hf["num_experts_per_tok"]),
         moe_layer_pattern=moe_layer_pattern(hf),
-        ffn_hidden_size=int(hf["intermediate_size"]),
         moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
         qk_layernorm=True,
         qkv_bias=bool(hf.get("attention_bias", False)),
