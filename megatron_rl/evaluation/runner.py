@@ -150,10 +150,5 @@ class Evaluator:
         return metrics, samples
 
 
-def headline_key(ds: EvalDataset) -> str:
-    """The dataset's one number: greedy accuracy, else mean@n."""
-    return ds.prefix + ("accuracy" if ds.greedy else f"mean@{ds.spec.n_samples}")
-
-
 def _groups(values: list[Any], n: int) -> list[list[Any]]:
     return [values[i : i + n] for i in range(0, len(values), n)]

@@ -8,8 +8,6 @@ the host, one array per sample, and each data-parallel rank keeps only the sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -28,21 +26,6 @@ def padding_routes(rows: int, seq_len: int, moe_layers: int, top_k: int, dtype: 
     (a sample's last token, padding, dummy rows). Distinct experts, as top-k requires; what a recording routes
     such positions to, so replaying them re-runs a recorded pass bitwise. Never reaches a log-prob."""
     return torch.arange(top_k, dtype=dtype).expand(rows, seq_len, moe_layers, top_k).clone()
-
-
-@dataclass(frozen=True)
-class RouteFootprint:
-    bytes_per_token: int
-    tokens: int
-    sample_bytes: int  # (tokens - 1) rows: SGLang's layout has no row for the last token
-    dtype: torch.dtype
-
-
-def route_footprint(moe_layers: int, top_k: int, num_experts: int, tokens: int) -> RouteFootprint:
-    """Host bytes of one cached sample of `tokens` tokens."""
-    dtype = routes_dtype(num_experts)
-    per_token = moe_layers * top_k * torch.empty((), dtype=dtype).element_size()
-    return RouteFootprint(per_token, tokens, per_token * max(tokens - 1, 0), dtype)
 
 
 class RouteCache:

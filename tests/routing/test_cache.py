@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.routing.cache import RouteCache, route_footprint, routes_dtype
+from megatron_rl.routing.cache import RouteCache, routes_dtype
 
 
 def test_dtype_by_expert_count() -> None:
@@ -15,11 +15,12 @@ def test_dtype_by_expert_count() -> None:
 
 
 def test_footprint_of_32k_sample_48_layers_top8_128_experts() -> None:
-    f = route_footprint(moe_layers=48, top_k=8, num_experts=128, tokens=32768)
-    assert f.dtype == torch.uint8
-    assert f.bytes_per_token == 48 * 8 == 384
-    assert f.sample_bytes == 384 * 32767 == 12_582_528  # ~12.0 MiB; SGLang's int32 would be 4x (48 MiB)
-    assert route_footprint(48, 8, 512, 32768).sample_bytes == 2 * 12_582_528
+    routes = torch.randint(0, 128, (32767, 48, 8), dtype=torch.int32)  # SGLang's layout and dtype: 48 MiB
+    small, large = RouteCache(48, 8, 128), RouteCache(48, 8, 512)
+    small.put(0, routes, num_tokens=32768)
+    large.put(0, routes, num_tokens=32768)
+    assert small.get(0).dtype == torch.uint8 and small.nbytes == 48 * 8 * 32767 == 12_582_528  # ~12.0 MiB
+    assert large.get(0).dtype == torch.int16 and large.nbytes == 2 * 12_582_528
 
 
 def test_cache_checks_alignment_and_pads_batches() -> None:
