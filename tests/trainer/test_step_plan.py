@@ -87,6 +87,26 @@ def test_each_rank_receives_only_its_rows(tmp_path: Path, nproc: int, tp: int) -
             assert 0.3 * r["whole"] < r["bytes"] < 0.6 * r["whole"], r
 
 
+@pytest.mark.torchrun
+def test_each_rank_fed_its_rows_trains_bitwise_as_when_it_held_the_whole_batch(tmp_path: Path) -> None:
+    """On any machine: the same scoring and two GRPO updates with R3 routes at DP=2, from the whole batch on every
+    rank (the actor takes its share) and from each rank's rows alone (the loop's path), agree bitwise: old
+    log-probs, every update metric, the weights after both updates."""
+    from megatron_rl.tiny_model import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "model", seed=11)
+    script = Path(__file__).parent / "scripts" / "sharded_vs_whole_check.py"
+    run_torchrun(script, 2, ["--model", str(model), "--out", str(tmp_path)], timeout=300)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(records[0]["rows"] + records[1]["rows"]) == list(range(16))
+    assert records[0]["received"] == 0 < records[1]["received"]
+    for r in records:
+        assert r["old_logp_equal"]
+        assert r["shard_updates"] == r["whole_updates"]
+        assert r["whole_updates"][0]["actor/ppo_kl"] == 0.0 and r["whole_updates"][0]["grad_norm"] > 0
+        assert r["shard_weights"] == r["whole_weights"]
+
+
 GOLDEN = REPO / "tests" / "fixtures" / "dp2_r3_rows_before_sharding.json"
 
 
@@ -102,8 +122,9 @@ def _machine() -> dict[str, str]:
 def test_sharded_training_is_bitwise_the_broadcast_one(tmp_path: Path) -> None:
     """The DP=2 demo with R3 and a KL reference, 3 steps of 2 updates from the same in-run warm-up, against the rows
     recorded before the change (every rank then received the whole batch): equal bitwise on a machine like the
-    recording's (same CPU model, torch and megatron-core; float results depend on the kernels), within fp32
-    tolerance elsewhere. Each rank holds half the batch."""
+    recording's (same CPU model, torch and megatron-core). Elsewhere the floats (and with them the sampled tokens)
+    may differ from the recording, so only the run's structure is checked; the machine-independent bitwise check
+    is `test_each_rank_fed_its_rows_trains_bitwise_as_when_it_held_the_whole_batch`. Each rank holds half."""
     from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
     golden = json.loads(GOLDEN.read_text())
@@ -125,8 +146,6 @@ def test_sharded_training_is_bitwise_the_broadcast_one(tmp_path: Path) -> None:
         assert got["data/rows"] == 16 and got["routing/cache_samples"] == 16  # half of 4 prompts x 8 samples
         assert 0 < got["data/bytes_received_max"]
         assert got["actor/ppo_kl_first"] == 0.0
-        for key, value in want.items():
-            if exact:
+        if exact:
+            for key, value in want.items():
                 assert got[key] == value, key
-            else:
-                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
