@@ -269,7 +269,8 @@ class RolloutProducer:
                 self._queue[step] = batch
                 if batch.error is None:
                     self._next += 1
-                else:  # wait for the trainer to repair the engine
+                else:  # wait for the trainer to repair the engine; a trainer waiting to update sees the failure now
+                    self._cond.notify_all()
                     self._cond.wait_for(lambda: self._retry or self._stopping)
                     self._retry = False
                     self._queue.pop(step, None)

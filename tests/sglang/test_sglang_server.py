@@ -25,9 +25,10 @@ import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
 from megatron_rl.config.sampling import SamplingParams
+from megatron_rl.rollout.sglang.distributed_weight_sync import DistributedWeightSync
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServerError, SGLangServers, request_json
-from megatron_rl.rollout.sglang.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
+from megatron_rl.rollout.sglang.weight_sync import DiskWeightSync, TensorWeightSync
 from megatron_rl.rollout.sync_probe import ProbeTolerance, compare_probe
 from tests.waiting import wait_until
 
