@@ -170,3 +170,47 @@ def test_a_producer_that_fails_unexpectedly_fails_the_trainers_next_take() -> No
         assert isinstance(caught.value.__cause__, ValueError)
     finally:
         producer.shutdown()
+
+
+def test_a_trainer_waiting_to_sync_wakes_when_the_batch_fails() -> None:
+    """The engine dies while the trainer already waits to send the next weights (`updating`): the failed batch
+    must wake it (it then finds the engine dead and repairs it), not leave both threads waiting for each other."""
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout.engine import RolloutEngineError
+    from megatron_rl.trainer.async_rollout import RolloutProducer
+    from tests.waiting import wait_until
+
+    release = threading.Event()
+
+    class DyingEngineData:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+        def collect(self, engine, step):
+            release.wait()
+            raise RolloutEngineError("the engine process died")
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(max_staleness=1), rollout=SimpleNamespace(partial=False))
+    producer = RolloutProducer(cfg, SimpleNamespace(abort=lambda: None), DyingEngineData(), next_step=1, last_step=3,
+                               version=0)  # fmt: skip
+    entered = threading.Event()
+
+    def sync_weights() -> None:
+        with producer.updating(0):  # waits for batch 1 (version 0 + k = 1) to be generated
+            entered.set()
+
+    trainer = threading.Thread(target=sync_weights, daemon=True)
+    try:
+        trainer.start()
+        wait_until(lambda: len(producer._cond._waiters) == 1, 10, "the trainer waiting in updating()")
+        release.set()  # batch 1 fails now, with the trainer already waiting
+        assert entered.wait(timeout=30), "the trainer was not woken by the failed batch"
+    finally:
+        release.set()
+        producer.shutdown()
+        trainer.join(timeout=30)
