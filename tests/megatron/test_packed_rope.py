@@ -46,21 +46,40 @@ def test_frequencies_are_each_tokens_position_within_its_sample() -> None:
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("samples", [1, 5, 33])
-def test_one_pass_equals_megatrons_per_sample_path(samples: int, interleaved: bool) -> None:
+@pytest.mark.parametrize("rotated, mscale", [(16, 1.0), (8, 0.7)])
+def test_one_pass_equals_megatrons_per_sample_path(samples: int, interleaved: bool, rotated: int, mscale) -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
     original = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__", rope_utils._apply_rotary_pos_emb_thd)
     t, cu, longest = packed_row(samples, samples)
+    freqs = rope_freqs(longest, rotated)  # fewer rotated features than the head's 16: the rest pass through
+    one_pass = one_pass_thd(original)
+    for _ in range(2):  # the second call reuses the row's cosines and sines
+        ref = original(t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale, cp_group=OneRank())
+        got = one_pass(t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale, cp_group=OneRank())
+        assert torch.equal(got, ref)  # the same elementwise rotation of the same values
+        (grad_ref,) = torch.autograd.grad(ref.square().sum(), t)
+        (grad_got,) = torch.autograd.grad(got.square().sum(), t)
+        assert torch.equal(grad_got, grad_ref)
+
+
+def test_a_new_row_or_new_frequencies_are_not_served_the_last_rows_factors() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__", rope_utils._apply_rotary_pos_emb_thd)
+    one_pass = one_pass_thd(original)
+    t, cu, longest = packed_row(3, 6)
     freqs = rope_freqs(longest, 16)
-    ref = original(t, cu, freqs, rotary_interleaved=interleaved, cp_group=OneRank())
-    got = one_pass_thd(original)(t, cu, freqs, rotary_interleaved=interleaved, cp_group=OneRank())
-    assert torch.equal(got, ref)  # the same elementwise rotation of the same values
-    (grad_ref,) = torch.autograd.grad(ref.square().sum(), t)
-    (grad_got,) = torch.autograd.grad(got.square().sum(), t)
-    assert torch.equal(grad_got, grad_ref)
+    one_pass(t, cu, freqs, cp_group=OneRank())
+    for cu2, freqs2 in ((cu.clone(), freqs * 2), (cu.flip(0).neg().add(int(cu[-1])).contiguous(), freqs)):
+        got = one_pass(t, cu2, freqs2, cp_group=OneRank())
+        assert torch.equal(got, original(t, cu2, freqs2, cp_group=OneRank()))
+    got = one_pass(t.double(), cu, freqs, cp_group=OneRank())  # another dtype
+    assert got.dtype == torch.float64
+    assert torch.equal(got, original(t.double(), cu, freqs, cp_group=OneRank()))
 
 
-def test_context_parallel_keeps_megatrons_path() -> None:
+def test_context_parallel_and_multi_latent_attention_keep_megatrons_function() -> None:
     calls = []
 
     def original(t, cu_seqlens, freqs, **kwargs):
@@ -73,5 +92,6 @@ def test_context_parallel_keeps_megatrons_path() -> None:
 
     t, cu, longest = packed_row(1, 4)
     one_pass_thd(original)(t, cu, rope_freqs(longest, 16), cp_group=TwoRanks())
-    one_pass_thd(original)(t, cu, rope_freqs(longest, 16), cp_group=OneRank())
-    assert torch.equal(calls[0], cu) and calls[1].tolist() == [0, int(cu[-1])]
+    one_pass_thd(original)(t, cu, rope_freqs(longest, 16), cp_group=OneRank(), multi_latent_attention=True)
+    one_pass_thd(original)(t, cu, rope_freqs(longest, 16), cp_group=OneRank())  # rotated here, not by `original`
+    assert len(calls) == 2 and torch.equal(calls[0], cu) and calls[1].tolist() == [0, int(cu[-1])]

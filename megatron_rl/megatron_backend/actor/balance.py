@@ -107,6 +107,8 @@ def _best_fit(
 ) -> list[list[int]] | None:
     """Of the balanced partition and the two decreasing fits into `count` micro-batches, the one within the budget
     whose heaviest micro-batch is lightest; None if none is within it."""
+    if count == 1:  # every candidate is the one micro-batch of them all (a scoring pass's usual case)
+        return [list(range(len(tokens)))] if sum(tokens) <= max_tokens else None
     fits = [g for g in (_decreasing_fit(tokens, costs, count, max_tokens, w) for w in (True, False)) if g]
     balanced = _partition(costs, count, False, method)
     if all(sum(tokens[j] for j in part) <= max_tokens for part in balanced):
