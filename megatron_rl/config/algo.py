@@ -107,6 +107,13 @@ class AlgoConfig:
         "routes consumed exactly once (RouteReplayError otherwise) in every RL step, only in the first RL step of "
         "each start (alignment is a property of the code and layout, not of the step), or never",
     )
+    first_update_check: Literal["first_step", "every_step"] = setting(
+        "first_step",
+        help="when the old-policy pass also scores the first update's mini-batch, so that actor/ppo_kl_first == 0 "
+        "checks the scoring forward against the training forward: in the first RL step of each start, or in every "
+        "step; on the other steps that update's own forward gives its old log-probs (the weights are still the old "
+        "policy's), one scoring forward fewer per step. R2 and steps measuring routing agreement always score it",
+    )
     replay_agreement_every: int = setting(
         1,
         help="routing replay: measure routing/agreement (replayed vs the current weights' own routes; one router "

@@ -57,6 +57,7 @@ from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.logs.run_log import RunLog, run_header
 from megatron_rl.trainer.logs.sample_log import SampleLog
 from megatron_rl.trainer.old_policy_scores import score_old_and_reference
+from megatron_rl.trainer.policy_updates import first_update_scores_itself, run_updates
 from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
@@ -407,7 +408,8 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
 
     # 3. The step's plan, fixed for all its passes: its mini-batches and each data-parallel rank's rows of them.
     #    Rank 0 sends each rank only its rows (routes included); old-policy log-probs are computed on exactly the
-    #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0).
+    #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0), or taken from
+    #    that update's own forward on unchecked steps (`algo.first_update_check`, trainer/policy_updates.py).
     t = time.perf_counter()
     dp_rank, dp = data_parallel_rank_and_size()
     plan = plan_step(
@@ -422,27 +424,18 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     if routes is not None:
         routes.put_rollout(dict(zip(rows.rows, samples, strict=True)))
     replay = replay_checks(cfg, step, first_step)
-    entropy = score_old_and_reference(actor, p.reference, batch, rows, routes, replay)
+    on_policy = first_update_scores_itself(algo, step, first_step, routes, replay)
+    first = plan.updates()[0] if on_policy else None
+    entropy = score_old_and_reference(actor, p.reference, batch, rows, routes, replay, skip=first)
     timings["time/old_logp"] = time.perf_counter() - t
-    metrics.update(scoring_metrics(batch, entropy, received_bytes=received))
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     t = time.perf_counter()
-    updates = []
-    for i, m in enumerate(plan.updates()):
-        mb = rows.mini_batch(batch, m)
-        updates.append(
-            actor.train_step(
-                routes.attach(mb, rows.keys(m)) if routes else mb,
-                p.loss_fn,
-                with_entropy=True,
-                route_mode="replay" if routes else None,
-                replay=replay,
-                on_nonfinite=cfg.trainer.on_nonfinite,
-                skip_grad_norm_above=p.guard.skip_grad_norm_above if p.guard is not None else None,
-                where=f"step {step}, update {i + 1} of {len(plan.updates())}",
-            )
-        )
+    skip_above = p.guard.skip_grad_norm_above if p.guard is not None else None
+    updates = run_updates(actor, p.loss_fn, batch, rows, routes, replay, entropy, on_policy=on_policy, step=step,
+                          on_nonfinite=cfg.trainer.on_nonfinite, skip_grad_norm_above=skip_above)  # fmt: skip
+    metrics.update(scoring_metrics(batch, entropy, received_bytes=received))
+    metrics["actor/ppo_kl_first_checked"] = float(not on_policy)  # 1: ppo_kl_first compared scoring with training
     update_means, update_routing = update_metrics(updates)
     metrics.update(update_means)
     if routes is not None:

@@ -19,13 +19,18 @@ def score_old_and_reference(
     rows: RankRows,
     routes: StepRoutes | None,
     replay: ReplayChecks,
+    *,
+    skip: int | None = None,
 ) -> torch.Tensor:
     """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` (this rank's rows) on the
-    micro-batches of the first update of each mini-batch; the old policy's entropy. With a reference equal to the
-    policy the KL is exactly 0."""
+    micro-batches of the first update of each mini-batch; the old policy's entropy. Mini-batch `skip` is left at 0
+    (its first update scores it: `policy_updates.run_updates`). With a reference equal to the policy the KL is
+    exactly 0."""
     batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
     entropy = torch.zeros_like(batch.fields["loss_mask"])
     for m in range(len(rows.plan.mini_batches)):
+        if m == skip:
+            continue
         mb, local = rows.mini_batch(batch, m), rows.local(m)
         if routes is not None and routes.scoring_mode == "replay":
             mb = routes.attach(mb, rows.keys(m))

@@ -272,7 +272,6 @@ class MegatronActor:
         self._check_resident("compute_log_probs")
         self._set_training(False)
         plan = self._plan(batch)
-        shard, index, batches = plan.shard, plan.index, plan.batches
         results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
@@ -283,8 +282,21 @@ class MegatronActor:
 
         s = batch.input_ids.shape[1]
         _, routes, agreement = self._run(
-            batches, loss_func, forward_only=True, route_mode=route_mode, replay=replay, seq_len=s
+            plan.batches, loss_func, forward_only=True, route_mode=route_mode, replay=replay, seq_len=s
         )
+        return self._scores(plan, batch, results, with_entropy, routes, agreement)
+
+    def _scores(
+        self,
+        plan: RankPlan,
+        batch: TokenBatch,
+        results: list[tuple[torch.Tensor, torch.Tensor | None]],
+        with_entropy: bool,
+        routes: torch.Tensor | None = None,
+        agreement: RouteAgreement | None = None,
+    ) -> ScoreResult:
+        """The micro-batches' per-row `results` (last pipeline stage) as `batch`'s rows on every stage."""
+        s, shard = batch.input_ids.shape[1], plan.shard
         logp = stack_rows([lp for lp, _ in results], shard.size, s, self._groups["pp"])
         entropies = [en for _, en in results if en is not None]
         ent = stack_rows(entropies, shard.size, s, self._groups["pp"]) if with_entropy else None
@@ -294,7 +306,7 @@ class MegatronActor:
         logp = torch.where(valid, logp, 0.0)
         ent = None if ent is None else torch.where(valid, ent, 0.0)
         rows = gather_rows(
-            {"log_probs": logp, "entropy": ent, "routes": routes}, index, batch.size, self._groups["dp"],
+            {"log_probs": logp, "entropy": ent, "routes": routes}, plan.index, batch.size, self._groups["dp"],
             gather=batch.dp_share is None,
         )  # fmt: skip
         return ScoreResult(**rows, agreement=agreement)
@@ -319,9 +331,31 @@ class MegatronActor:
         gradients, leaves optimizer, schedule and `self.step` alone and returns `nonfinite_skipped` = 1. A finite
         grad norm above `skip_grad_norm_above` (`trainer.stop_on` action skip) is dropped the same way and returns
         `grad_norm_skipped` = 1 with the norm."""
-        return self._update(
+        metrics, _ = self._update(
             batch, loss_fn, None, with_entropy, route_mode, replay, on_nonfinite, where, skip_grad_norm_above
         )
+        return metrics
+
+    def train_step_on_policy(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        *,
+        route_mode: Literal["replay"] | None = None,
+        replay: ReplayChecks = FULL_CHECKS,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
+        skip_grad_norm_above: float | None = None,
+        where: str = "this update",
+    ) -> tuple[dict[str, float], ScoreResult]:
+        """`train_step` (with entropy) while the weights are still the old policy's (an RL step's first update):
+        `loss_fn` sees `old_log_probs` = this forward's own detached log-probs, so the ratio is exactly 1, and
+        those log-probs and the entropy come back per row of `batch` as `compute_log_probs` returns them. It
+        spares the old-policy pass this mini-batch's forward."""
+        metrics, scores = self._update(
+            batch, loss_fn, None, True, route_mode, replay, on_nonfinite, where, skip_grad_norm_above, on_policy=True
+        )
+        assert scores is not None
+        return metrics, scores
 
     def warmup_step(
         self,
@@ -334,7 +368,7 @@ class MegatronActor:
     ) -> dict[str, float]:
         """One optimizer step at learning rate `lr` that leaves the LR schedule and `self.step` where they are
         (supervised warm-up stages; `lr=0` re-runs an update without moving the weights)."""
-        return self._update(batch, loss_fn, lr, False, route_mode, replay, "stop", "this warm-up update")
+        return self._update(batch, loss_fn, lr, False, route_mode, replay, "stop", "this warm-up update")[0]
 
     def _update(
         self,
@@ -347,7 +381,9 @@ class MegatronActor:
         on_nonfinite: Literal["stop", "skip"],
         where: str,
         skip_grad_norm_above: float | None = None,
-    ) -> dict[str, float]:
+        *,
+        on_policy: bool = False,
+    ) -> tuple[dict[str, float], ScoreResult | None]:
         self._check_resident("train_step")
         self._set_training(True)
         for chunk in self.chunks:
@@ -356,8 +392,14 @@ class MegatronActor:
         plan = self._plan(batch)
         batches = plan.batches
 
+        kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
             logp, ent = self._token_stats(mb, logits, with_entropy, 1.0)
+            if on_policy:
+                mb.fields["old_log_probs"] = logp.detach()
+                real = mb.size - mb.padding_rows
+                kept.append((logp.detach()[:real].cpu(), None if ent is None else ent.detach()[:real].cpu()))
             loss_sum, count, metrics = loss_fn(logp, ent, mb)
             count = count.to(torch.int).reshape(())
             metrics = {k: float(v) for k, v in metrics.items()}
@@ -365,18 +407,19 @@ class MegatronActor:
             return loss_sum, count, {"loss_sum": loss_sum.detach().float(), "metrics": metrics}
 
         outputs, _, agreement = self._run(batches, loss_func, forward_only=False, route_mode=route_mode, replay=replay)
+        scores = self._scores(plan, batch, kept, with_entropy) if on_policy else None
         totals = reduce_metric_sums(outputs, self._groups)
         overflow, grad_norm = training_setup.grad_norm_before_step(self.optimizer)
         problem = nonfinite_problem(totals, grad_norm, outputs, self.chunks, len(batches), where)
         if problem is not None:
             drop_nonfinite_update(problem, self.chunks, self.optimizer, on_nonfinite)
-            return {**mean_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}
+            return {**mean_metrics(totals, None, self.optimizer), "nonfinite_skipped": 1.0}, scores
         if grad_norm_too_large(grad_norm, skip_grad_norm_above, where):
             drop_gradients(self.chunks, self.optimizer)
             skipped = {**mean_metrics(totals, grad_norm, self.optimizer), "grad_norm_skipped": 1.0}
             if agreement is not None:  # measured in this update's forward: still the weights' routes
                 skipped.update(agreement.as_metrics("routing/", self.dims.moe_layers))
-            return skipped
+            return skipped, scores
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -392,4 +435,4 @@ class MegatronActor:
         metrics["balance/dp_imbalance"] = plan.dp_imbalance
         if agreement is not None:  # replayed routes vs the routes these (pre-update) weights would choose
             metrics.update(agreement.as_metrics("routing/", self.dims.moe_layers))
-        return metrics
+        return metrics, scores
