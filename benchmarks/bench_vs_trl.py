@@ -28,10 +28,12 @@ check of two seeds on 256 held-out prompts; "learning gap" is the mean over repe
 TRL's.
 
 The matmul anchor: each phase's floating-point work, 2 x active parameters x tokens for generation and scoring
-and 6 x for the updates ("active": the non-embedding parameters a token passes through, i.e. every weight but the
-input embedding, the experts' scaled by top-k / experts), over the machine's `torch.mm` throughput at that
-phase's matmul shapes (every weight's product at the phase's rows, and for the updates the two backward products;
-measured in this process after the runs, fp32, at ``--threads`` and at one thread, the fastest kept). That
+and 6 x for the updates (our scoring: only the share of tokens it scores, all but the first update's mini-batch
+on steps that do not check ppo_kl_first; "active": the non-embedding parameters a token passes through, i.e.
+every weight but the input embedding, the experts' scaled by top-k / experts), over the machine's `torch.mm`
+throughput at that phase's matmul shapes (every weight's product at the phase's rows, and for the updates the two
+backward products; measured in this process after the runs, fp32, at ``--threads`` and at one thread, the fastest
+kept). That
 quotient is the phase's time at matmul speed; reported per side as a fraction of its measured time (1.0 = the
 phase runs at matmul speed, 0.1 = ten times slower).
 Attention scores (QK^T and PV, causal) are counted separately and are not in the anchor.
@@ -162,8 +164,12 @@ def run_ours(model: Path, work: Path, args: argparse.Namespace, seed: int) -> di
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     generated = [r["rollout/response_len_mean"] * r["rollout/samples"] for r in steps]
     total = [r["perf/tokens_per_s"] * r["time/step"] for r in steps]  # the batch's prompt + response tokens
+    # The old-log-prob pass scores every mini-batch when ppo_kl_first is checked, else all but the first update's
+    # (its forward gives them: algo.first_update_check); mini-batches hold equal numbers of samples.
+    scored = [1.0 if r.get("actor/ppo_kl_first_checked", 1.0) else (UPDATES - 1) / UPDATES for r in steps]
     return {
         "steps": [{p: r["time/weight_sync" if p == "sync" else f"time/{p}"] for p in PHASES} for r in steps],
+        "old_logp_scored_share": scored,
         "generated_tokens": generated,
         "prompt_tokens": [round(t - g) for t, g in zip(total, generated, strict=True)],
         "reward_mean": [r["rollout/reward_mean"] for r in steps],
@@ -187,6 +193,7 @@ def summarise(run_: dict) -> dict:
     out["tokens_per_s"] = statistics.median(n / s["step"] for n, s in zip(generated, steps, strict=True))
     out["generated_tokens"] = statistics.median(generated)
     out["prompt_tokens"] = statistics.median(prompt)
+    out["old_logp_scored_share"] = statistics.median(run_.get("old_logp_scored_share", [1.0] * len(steps))[1:])
     return out
 
 
@@ -306,7 +313,7 @@ def anchor(model: Path, params: dict, summary: dict, throughput: dict[str, float
     out: dict = {"tokens_per_step": tokens}
     limit_step = 0.0
     for phase, per_token in WORK_PHASES.items():
-        flops = per_token * params["active"] * tokens
+        flops = per_token * params["active"] * tokens * (summary["old_logp_scored_share"] if phase == "old_logp" else 1)
         limit = flops / throughput[phase]
         limit_step += limit
         scores = attention_flops(hf, samples, tokens / samples) * (3 if phase == "train" else 1)
