@@ -8,8 +8,9 @@ local port, which is how single-process tests and notebooks use Megatron.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,6 +18,8 @@ from megatron_rl.megatron_backend import platform
 from megatron_rl.models.family import ModelDims
 from megatron_rl.net import free_port
 from megatron_rl.parallel_layout import ParallelLayout, ResolvedLayout
+
+T = TypeVar("T")
 
 
 def init_distributed(
@@ -79,6 +82,21 @@ def broadcast_object(obj: Any) -> Any:
     if torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def decided_on_rank0(decide: Callable[[], T]) -> T:
+    """Collective: `decide()` run on rank 0 only and its result on every rank; a `ValueError` it raises (bad
+    input, named with its fix) is raised on every rank alike, so all of them stop with rank 0's message."""
+    verdict: tuple[Any, ValueError | None] | None = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            verdict = (decide(), None)
+        except ValueError as err:
+            verdict = (None, err)
+    value, error = broadcast_object(verdict)
+    if error is not None:
+        raise error
+    return value
 
 
 def scatter_by_data_parallel_rank(per_rank: list[bytes] | None) -> bytes:

@@ -34,6 +34,7 @@ from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_
 from megatron_rl.megatron_backend.distributed import (
     broadcast_object,
     data_parallel_rank_and_size,
+    decided_on_rank0,
     init_distributed,
     shutdown,
 )
@@ -141,9 +142,7 @@ def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = F
         closing = ExitStack()  # the rollout engine and async mode's producer: shut down however the run ends
         try:
             # Rank 0 decides how this start uses output_dir, before the model is built; every rank gets the verdict.
-            plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
-            if isinstance(plan, Exception):
-                raise plan
+            plan = decided_on_rank0(lambda: _plan(cfg))
             if plan.complete:
                 if rank0:
                     print("\n".join([*plan.notes, plan.complete_message()]), flush=True)
@@ -164,14 +163,11 @@ def init_process_groups(cfg: RLConfig, dims: ModelDims) -> None:
     init_distributed(cfg.parallel, seed=cfg.trainer.seed, dims=dims)
 
 
-def _plan_or_error(cfg: RLConfig) -> run_dir.RunPlan | Exception:
-    try:
-        plan = run_dir.plan_run(cfg)
-        if plan.resume_from is not None and not plan.complete:  # a damaged checkpoint is named before the build
-            check_checkpoint_files(plan.resume_from)
-        return plan
-    except ValueError as err:  # reported by every rank alike
-        return err
+def _plan(cfg: RLConfig) -> run_dir.RunPlan:
+    plan = run_dir.plan_run(cfg)
+    if plan.resume_from is not None and not plan.complete:  # a damaged checkpoint is named before the build
+        check_checkpoint_files(plan.resume_from)
+    return plan
 
 
 def _run(

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
-from megatron_rl.megatron_backend.distributed import broadcast_object, shutdown
+from megatron_rl.megatron_backend.distributed import decided_on_rank0, shutdown
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.hf_config import read_hf_config
@@ -48,9 +47,7 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
         init_process_groups(cfg, dims)
         rank0 = stop.announce = dist.get_rank() == 0
         try:
-            plan = broadcast_object(_plan_or_error(cfg) if rank0 else None)
-            if isinstance(plan, Exception):
-                raise plan
+            plan = decided_on_rank0(lambda: run_dir.plan_run(cfg))
             if rank0:
                 run_dir.start_run(plan)
             dist.barrier()
@@ -78,10 +75,3 @@ def sft(cfg: RLConfig, *, resume_command: str | None = None) -> SFTResult:
         finally:
             shutdown()
 
-
-def _plan_or_error(cfg: RLConfig) -> Any:
-    """How this start uses output_dir, or the error every rank reports."""
-    try:
-        return run_dir.plan_run(cfg)
-    except ValueError as err:  # reported by every rank alike
-        return err
