@@ -15,7 +15,8 @@ from megatron_rl.config import AlgoConfig, ModelConfig, RLConfig, load_config
 from megatron_rl.config.loader import configure
 
 REPO = Path(__file__).parents[1]
-UNTIMED = ("time/", "perf/", "memory/", "sync/")  # sync/: a resumed run verifies its first sync
+UNTIMED = ("time/", "perf/", "memory/", "sync/", "actor/ppo_kl_first_checked")  # a resumed run verifies its first
+# sync and checks its first update against a scoring pass (docs/algorithms.md), as a fresh one does at step 1
 
 
 def _readme_example() -> str:

@@ -17,7 +17,8 @@ COMMON = (
     "warmup.sft_steps=0", "data.eval=synthetic", "data.eval_every=2", "data.eval_prompts=32", "trainer.save_every=0",
     "logging.wandb=false", "logging.plot=false", "optimizer.lr=1e-4",
 )  # fmt: skip
-TIMING = ("time/", "perf/", "async/trainer_wait_s", "async/engine_wait_s", "async/generate_s", "async/batches_ready")
+TIMING = ("time/", "perf/", "async/trainer_wait_s", "async/engine_wait_s", "async/generate_s", "async/batches_ready",
+          "actor/ppo_kl_first_checked")  # a resumed run checks its first update against a scoring pass
 
 
 def _command(out: Path, model: Path, *overrides: str) -> list[str]:
