@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +89,11 @@ class TrainResult:
     already_complete: bool = False  # nothing was done: the run had reached trainer.steps
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepParts:
-    """What an RL step works with. `engine` is rank 0's rollout engine (None on the other ranks)."""
+    """What an RL step works with. `engine` is rank 0's rollout engine (None on the other ranks). Built before the
+    warm-up; the reference and async mode's producer, which need the warmed-up policy, join it after
+    (`dataclasses.replace`)."""
 
     cfg: RLConfig
     actor: MegatronActor
@@ -180,37 +182,26 @@ def _run(
     verbose: bool,
 ) -> TrainResult:
     rank0 = dist.get_rank() == 0
-    parts, state = _build_parts(cfg, plan, model_dir, dims, closing)
+    parts, state, log = _build_parts(cfg, plan, model_dir, dims, closing)
     # The model, optimizer, engine and libraries live for the whole run: keep them out of the garbage collector's
     # full collections, which otherwise walk them all (0.1-2 s each, about 8 per 14 demo steps).
     gc.freeze()
-    log = None
-    if rank0:
+    if log is not None:
         dump_yaml(cfg, plan.output_dir / "config.yaml")
         print(format_config(cfg) if verbose else run_header(cfg, dims, plan.resume_from, state.step), flush=True)
-        log = RunLog(
-            cfg.logging,
-            plan.output_dir,
-            cfg.trainer.steps,
-            to_dict(cfg),
-            first_step=plan.first_logged_step,
-            wandb_id=plan.identity.run_id,
-            samples=SampleLog(cfg.logging, plan.output_dir, parts.tokenizer, first_step=plan.first_logged_step),
-        )
-        parts.samples_log = log.samples
-        if plan.resume_from is not None and state.metrics_row is not None:
-            log.restore_row(state.step, state.metrics_row)
     warmup = WarmupRun(plan.output_dir, plan.checkpoint_root, plan.identity.run_id, stop)
     if not _prepare_policy(parts, state, model_dir, plan.output_dir / WARMUP_MODEL, warmup):  # a signal mid-SFT
         plots = log.close() if log is not None else []
         return TrainResult(plan.output_dir, [], plots, stopped_by=warmup.stopped_by)
+    parts = replace(parts, reference=_reference(cfg, parts.actor, model_dir, plan.output_dir / WARMUP_MODEL))
+    _first_sync(parts, state)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
     if state.step == 0 and evaluating:
         parts.memory.for_rollout()
         if log is not None:
             log.log(0, parts.evaluate(0))  # the curve's start
     if parts.engine is not None and cfg.trainer.mode == "async":
-        parts.producer = RolloutProducer(
+        producer = RolloutProducer(
             cfg,
             parts.engine,
             parts.data,
@@ -219,8 +210,8 @@ def _run(
             version=state.step,
             queued=[ProducedBatch.from_json(b) for b in state.queued],
         )
-        closing.callback(parts.producer.shutdown)
-        parts.source = AsyncRollout(parts.producer)
+        closing.callback(producer.shutdown)
+        parts = replace(parts, producer=producer, source=AsyncRollout(producer))
 
     stopped_by = None
     saves = checkpoint.BackgroundSaves() if cfg.trainer.async_save else None
@@ -258,8 +249,9 @@ def _run(
 
 def _build_parts(
     cfg: RLConfig, plan: run_dir.RunPlan, model_dir: Path, dims: ModelDims, closing: ExitStack
-) -> tuple[StepParts, RunState]:
-    """The step's parts, and the state to continue from (step, warm-up done, data position, metrics row)."""
+) -> tuple[StepParts, RunState, RunLog | None]:
+    """The step's parts, the state to continue from (step, warm-up done, data position, metrics row) and rank 0's
+    run log (metrics, plots, samples; its last row restored on a resume)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     data = prompt_data(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
     positions = max_positions(read_hf_config(model_dir))
@@ -279,13 +271,27 @@ def _build_parts(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
     source = SyncRollout(engine, data) if engine is not None else NoRollout()  # async: replaced once warmed up
+    log = None
+    if dist.get_rank() == 0:
+        log = RunLog(
+            cfg.logging,
+            plan.output_dir,
+            cfg.trainer.steps,
+            to_dict(cfg),
+            first_step=plan.first_logged_step,
+            wandb_id=plan.identity.run_id,
+            samples=SampleLog(cfg.logging, plan.output_dir, tokenizer, first_step=plan.first_logged_step),
+        )
+        if plan.resume_from is not None and state.metrics_row is not None:
+            log.restore_row(state.step, state.metrics_row)
     parts = StepParts(
         cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
+        samples_log=log.samples if log is not None else None,
         evaluator=evaluator if engine is not None else None,
         verifier=build_verifier(cfg.rollout, data),
         guard=FidelityGuard(stop_rules(cfg)[0]),
     )  # fmt: skip
-    return parts, state
+    return parts, state, log
 
 
 def fidelity_problem(guard: FidelityGuard | None, step: int, metrics: dict[str, float]) -> str | None:
@@ -312,8 +318,7 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
 
 def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
     """The supervised warm-up (once per run, continued from a mid-SFT checkpoint; its result is kept in HF format
-    in `warmed_up`), the KL reference (the policy RL starts from: the warmed-up model, else the initial one), and
-    the first sync. False when a signal stopped the warm-up (nothing else is done)."""
+    in `warmed_up`). False when a signal stopped it."""
     cfg, actor = parts.cfg, parts.actor
     if not state.sft_done and cfg.warmup.sft_steps > 0:
         parts.memory.for_training()
@@ -322,12 +327,22 @@ def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_u
         actor.reset_optimizer_state()
         save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
         state.sft_done = True
-    if cfg.algo.kl_coef > 0:
-        parts.reference = reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
+    return True
+
+
+def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path) -> ReferenceWeights | None:
+    """The KL reference (with `algo.kl_coef` > 0): the policy RL starts from, the warmed-up model, else the initial
+    one."""
+    if cfg.algo.kl_coef <= 0:
+        return None
+    return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
+
+
+def _first_sync(parts: StepParts, state: RunState) -> None:
+    """The engine gets the policy RL starts (or continues) from."""
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
-    sync_weights(actor, parts.engine, cfg, version=weight_version(state.step), verifier=parts.verifier)
-    return True
+    sync_weights(parts.actor, parts.engine, parts.cfg, version=weight_version(state.step), verifier=parts.verifier)
 
 
 def _save(
