@@ -10,7 +10,7 @@ mini-batches per step. verl does the same when a step has one mini-batch (`dp_ac
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -45,12 +45,13 @@ def run_updates(
     *,
     on_policy: bool,
     step: int,
-    **options: Any,
+    on_nonfinite: Literal["stop", "skip"],
+    skip_grad_norm_above: float | None,
 ) -> list[dict[str, float]]:
     """Every update of the step (`rows.plan.updates()`, epoch after epoch), each one's metrics. `on_policy`: the
     first update also writes its mini-batch's `old_log_probs` into `batch` and its entropy into `entropy` (the
-    rows the old-policy pass left out), before any later update reads them. `options`: `train_step`'s
-    `on_nonfinite` and `skip_grad_norm_above`."""
+    rows the old-policy pass left out), before any later update reads them. `on_nonfinite` and
+    `skip_grad_norm_above` are `train_step`'s."""
     order = rows.plan.updates()
     updates = []
     for i, m in enumerate(order):
@@ -59,14 +60,18 @@ def run_updates(
         where = f"step {step}, update {i + 1} of {len(order)}"
         mode: Literal["replay"] | None = "replay" if routes is not None else None
         if i == 0 and on_policy:
-            metrics, scored = actor.train_step_on_policy(mb, loss_fn, route_mode=mode, replay=replay, where=where,
-                                                         **options)  # fmt: skip
+            metrics, scored = actor.train_step_on_policy(
+                mb, loss_fn, route_mode=mode, replay=replay, where=where, on_nonfinite=on_nonfinite,
+                skip_grad_norm_above=skip_grad_norm_above,
+            )  # fmt: skip
             local = rows.local(m)
             batch.fields["old_log_probs"][local] = scored.log_probs
             if scored.entropy is not None:
                 entropy[local] = scored.entropy
         else:
-            metrics = actor.train_step(mb, loss_fn, with_entropy=True, route_mode=mode, replay=replay, where=where,
-                                       **options)  # fmt: skip
+            metrics = actor.train_step(
+                mb, loss_fn, with_entropy=True, route_mode=mode, replay=replay, where=where, on_nonfinite=on_nonfinite,
+                skip_grad_norm_above=skip_grad_norm_above,
+            )  # fmt: skip
         updates.append(metrics)
     return updates
