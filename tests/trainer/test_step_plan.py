@@ -67,12 +67,12 @@ def test_rank_rows_select_the_ranks_share_of_its_own_batch() -> None:
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize(("nproc", "tp"), [(2, 1), (4, 2)], ids=["dp2", "tp2xdp2"])
-def test_each_rank_receives_only_its_rows(tmp_path: Path, nproc: int, tp: int) -> None:
-    """Rank 0 holds 32 samples with routes; each data-parallel rank (and its tensor-parallel peer) receives exactly
-    its rows, routes uint8, metadata left on rank 0, in about half the bytes of the whole batch."""
+@pytest.mark.parametrize(("nproc", "tp", "cp"), [(2, 1, 1), (4, 2, 1), (4, 1, 2)], ids=["dp2", "tp2xdp2", "cp2xdp2"])
+def test_each_rank_receives_only_its_rows(tmp_path: Path, nproc: int, tp: int, cp: int) -> None:
+    """Rank 0 holds 32 samples with routes; each data-parallel rank (and its tensor- or context-parallel peer)
+    receives exactly its rows, routes uint8, metadata left on rank 0, in about half the bytes of the whole batch."""
     script = Path(__file__).parent / "scripts" / "share_rows_check.py"
-    run_torchrun(script, nproc, ["--out", str(tmp_path), "--tp", str(tp)], timeout=300)
+    run_torchrun(script, nproc, ["--out", str(tmp_path), "--tp", str(tp), "--cp", str(cp)], timeout=300)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert all(r["same"] for r in records)
     by_dp: dict[int, list[int]] = {}
@@ -80,6 +80,7 @@ def test_each_rank_receives_only_its_rows(tmp_path: Path, nproc: int, tp: int) -
         assert by_dp.setdefault(r["dp_rank"], r["rows"]) == r["rows"]  # model-parallel peers hold the same rows
     assert sorted(i for rows in by_dp.values() for i in rows) == list(range(32))
     assert len(by_dp) == 2 and all(len(rows) == 16 for rows in by_dp.values())
+    assert {r["cp_rank"] for r in records} == set(range(cp))
     for r in records:
         if r["rank"] == 0:
             assert r["bytes"] == 0  # it holds the batch

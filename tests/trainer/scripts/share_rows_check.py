@@ -1,5 +1,6 @@
 """Run under torchrun: rank 0 holds a synthetic step batch (samples with R3 routes); `share_rows` sends each
-data-parallel rank its rows. Each rank writes what it received, against what it should hold, to `--out/rank<r>.json`.
+data-parallel rank its rows (and its context- and tensor-parallel peers the same). Each rank writes what it
+received, against what it should hold, to `--out/rank<r>.json`.
 
 The samples are a pure function of (`--seed`, row), so every rank can rebuild the rows it expects.
 """
@@ -37,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -51,7 +53,7 @@ def main() -> None:
     from megatron_rl.trainer.rollout_phase import share_rows
     from megatron_rl.trainer.step_plan import plan_step
 
-    init_distributed(ParallelLayout(tp=args.tp), seed=0)
+    init_distributed(ParallelLayout(tp=args.tp, cp=args.cp), seed=0)
     dp_rank, dp = data_parallel_rank_and_size()
 
     def make(row: int):
@@ -72,7 +74,12 @@ def main() -> None:
         for a, b in zip(received, expected, strict=False)
     )
     whole = len(pickle.dumps([make(i) for i in range(args.samples)], pickle.HIGHEST_PROTOCOL))
-    record = {"rank": dist.get_rank(), "dp_rank": dp_rank, "rows": rows, "same": same, "bytes": nbytes, "whole": whole}
+    from megatron.core import parallel_state as ps
+
+    record = {
+        "rank": dist.get_rank(), "dp_rank": dp_rank, "cp_rank": ps.get_context_parallel_rank(),
+        "rows": rows, "same": same, "bytes": nbytes, "whole": whole,
+    }  # fmt: skip
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     shutdown()
 
