@@ -8,7 +8,7 @@ The batch is synthetic: `--samples` samples of `--tokens`/2 to `--tokens` tokens
 log-probs and, with R3, routes of DeepSeek-V3's shape (58 MoE layers x top-8 of 256 experts, uint8: 464 bytes a
 token). `before` is what the loop did until the sharded path: rank 0 broadcast every sample to every rank, and the
 scoring pass all-gathered every row's log-probs and entropy to every data-parallel rank. `now` is
-`rollout_phase.share_rows` (each rank gets its rows of `step_plan.plan_step`) and nothing gathered. Per rank:
+`step_plan.share_rows` (each rank gets its rows of `step_plan.plan_step`) and nothing gathered. Per rank:
 pickled bytes received, and peak RSS above the rank's RSS before the step's data arrived. Merged into
 `benchmarks/results/data_path.json`.
 """
@@ -67,8 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.trainer.rl_batch import samples_to_batch
-    from megatron_rl.trainer.rollout_phase import share_rows
-    from megatron_rl.trainer.step_plan import RankRows, plan_step
+    from megatron_rl.trainer.step_plan import RankRows, plan_step, share_rows
 
     init_distributed(ParallelLayout(), seed=0)
     rank = dist.get_rank()

@@ -8,15 +8,15 @@ Phases of a step and what is resident (with `rollout.release_memory` and `traine
 
 (caches: SGLang's KV cache and CUDA-graph buffers, `rollout.engine_memory.CACHE_TAGS`).
 
-The order follows SGLang's memory contract (`rollout.engine_memory`): released engine weights are discarded, so
-they are resumed only right before the weight sync that fills them; the caches come back after the sync,
-when the actor has left. Evaluation and checkpoints between steps use `for_rollout()` / `for_training(
-keep_engine_weights=True)`: the engine's weights are current then, and releasing them would need another sync.
-Each call does only what the current state needs, so the loop can call them unconditionally. The engine lives
-on rank 0 only (``engine=None`` elsewhere); every rank offloads its own actor shard. A server that fails a
-release or resume is reported and left to the loop's recovery (the next sync or generate fails with a
-`RolloutEngineError`, the server is restarted and given the weights): raising here would leave the other ranks
-waiting in the weight export.
+The order follows SGLang's memory contract (`rollout.engine_memory`): released engine weights are discarded, so they
+are resumed only right before the weight sync that fills them; the caches come back after the sync, when the actor
+has left. Evaluation and checkpoints between steps use `for_rollout()` / `for_training(keep_engine_weights=True)`:
+the engine's weights are current then, and releasing them would need another sync. Each call does only what the
+current state needs, so the loop can call them unconditionally. The engine lives on rank 0 only (a
+`rollout_phase.NoEngine`, whose memory calls do nothing, elsewhere); every rank offloads its own actor shard. A
+server that fails a release or resume is reported and left to the loop's recovery (the next sync or generate fails
+with a `RolloutEngineError`, the server is restarted and given the weights): raising here would leave the other
+ranks waiting in the weight export.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ColocatedMemory:
         self.actor = actor
         self.engine = engine
         self.offload_actor = offload_actor
-        self.release_engine = release_engine and engine is not None
+        self.release_engine = release_engine
         self._metrics: dict[str, float] = {}
 
     def for_rollout(self) -> None:

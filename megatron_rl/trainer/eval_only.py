@@ -25,12 +25,11 @@ from megatron_rl.megatron_backend.distributed import shutdown
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.engines.engine_factory import build_engine
-from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.input_guards import check_positions
 from megatron_rl.trainer.logs.sample_log import eval_rows
 from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
-from megatron_rl.trainer.rollout_phase import engine_run, prompt_data, sync_weights
+from megatron_rl.trainer.rollout_phase import NoEngine, WeightSync, engine_run, prompt_data
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -99,7 +98,7 @@ def evaluate_checkpoint(
     hf = read_hf_config(model_dir)
     dims = model_dims(hf)
     init_process_groups(cfg, dims)
-    engine = None
+    engine: Any = NoEngine()
     try:
         rank0 = dist.get_rank() == 0
         tokenizer = load_tokenizer(cfg, dims.vocab_size)
@@ -110,17 +109,17 @@ def evaluate_checkpoint(
         step = 0
         if source.kind == "megatron" and source.path is not None:
             step = int(checkpoints.load_checkpoint(actor, source.path, load_optimizer=False)["step"])
-        engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if rank0 else None
+        engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if rank0 else NoEngine()
         memory = ColocatedMemory(
             actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
         )
         memory.for_training()
         memory.for_weight_sync()
-        sync_weights(actor, engine, cfg, version=weight_version(step))  # as `train` sends the weights it evaluates
+        WeightSync(actor, engine, cfg.rollout.bucket_mb).send(step)  # as `train` sends the weights it evaluates
         memory.for_rollout()
         metrics: dict[str, float] = {}
         files: list[Path] = []
-        if engine is not None:
+        if rank0:
             rows: list[dict[str, Any]] = []
             keep = lambda name, samples: rows.extend(eval_rows(step, samples, tokenizer, name))  # noqa: E731
             metrics = evaluator.evaluate(engine, step, on_samples=keep)
@@ -128,8 +127,7 @@ def evaluate_checkpoint(
         dist.barrier()
         return EvalResult(step, metrics, out, files)
     finally:
-        if engine is not None:
-            engine.shutdown()
+        engine.shutdown()
         shutdown()
 
 

@@ -3,7 +3,7 @@
 Read top to bottom: `train(cfg)` plans the run folder, builds the parts of a step (`StepParts`), warms the policy
 up with supervised steps when asked, then runs `trainer.steps` RL steps (`rl_step`), checkpointing and evaluating
 between them. Rank 0 owns the rollout engine and sends each data-parallel rank only the samples it trains on
-(`step_plan`, `rollout_phase.share_rows`); all ranks train. In async mode (`trainer.mode: async`) rank 0's batches
+(`step_plan.rank_batch`); all ranks train. In async mode (`trainer.mode: async`) rank 0's batches
 come from a producer thread that generates ahead of the trainer (`async_rollout`); the step is otherwise the same.
 """
 
@@ -12,15 +12,13 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms import compute_advantages
-from megatron_rl.algorithms.advantages import estimator_options
 from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.config.stop_on import stop_rules
@@ -31,13 +29,7 @@ from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.reference import ReferenceWeights, reference_from_hf
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
-from megatron_rl.megatron_backend.distributed import (
-    broadcast_object,
-    data_parallel_rank_and_size,
-    decided_on_rank0,
-    init_distributed,
-    shutdown,
-)
+from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
@@ -45,36 +37,33 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engines.engine_factory import build_engine
-from megatron_rl.rollout.weight_version import weight_version
-from megatron_rl.routing.replay import ReplayChecks, ReplayMode
-from megatron_rl.routing.step_routes import StepRoutes
+from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard, FidelityStop
 from megatron_rl.trainer.guards.input_guards import check_positions, check_tokenizer
 from megatron_rl.trainer.guards.stop_signals import StopSignals
-from megatron_rl.trainer.guards.sync_verification import SyncVerifier, build_verifier
+from megatron_rl.trainer.guards.sync_verification import build_verifier
 from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.logs.run_log import RunLog, run_header
 from megatron_rl.trainer.logs.sample_log import SampleLog
 from megatron_rl.trainer.old_policy_scores import score_old_and_reference
 from megatron_rl.trainer.policy_updates import first_update_scores_itself, run_updates
-from megatron_rl.trainer.rl_batch import samples_to_batch
+from megatron_rl.trainer.rl_batch import step_advantages
 from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
+    NoEngine,
     NoRollout,
     RolloutSource,
     SyncRollout,
+    WeightSync,
     collect_rollout,
     engine_run,
     prompt_data,
-    share_rows,
-    sync_or_defer,
-    sync_weights,
 )
 from megatron_rl.trainer.run_state import RunState
-from megatron_rl.trainer.step_metrics import scoring_metrics, update_metrics
-from megatron_rl.trainer.step_plan import RankRows, plan_step
+from megatron_rl.trainer.step_metrics import StepClock, training_metrics
+from megatron_rl.trainer.step_plan import rank_batch
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
@@ -91,13 +80,13 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class StepParts:
-    """What an RL step works with. `engine` is rank 0's rollout engine (None on the other ranks). Built before the
-    warm-up; the reference and async mode's producer, which need the warmed-up policy, join it after
-    (`dataclasses.replace`)."""
+    """What an RL step works with. `weights` sends the actor's weights to rank 0's rollout engine (`NoEngine` on the
+    other ranks). Built before the warm-up; the reference and async mode's producer, which need the warmed-up
+    policy, join it after (`dataclasses.replace`)."""
 
     cfg: RLConfig
     actor: MegatronActor
-    engine: RolloutEngine | None
+    weights: WeightSync
     reference: ReferenceWeights | None
     data: PromptData
     tokenizer: Any
@@ -107,19 +96,18 @@ class StepParts:
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
-    verifier: SyncVerifier | None = None  # rollout.verify_sync: which syncs are checked against a probe
-    guard: FidelityGuard | None = None  # trainer.stop_on: the step's fidelity metrics against their thresholds
+    guard: FidelityGuard = field(default_factory=lambda: FidelityGuard([]))  # trainer.stop_on's rules
 
     @property
-    def requests(self) -> RolloutEngine | None:
+    def requests(self) -> RolloutEngine:
         """The engine for requests outside the rollout (evaluation): through the producer's gate in async mode."""
-        return self.producer.engine if self.producer is not None else self.engine
+        return self.producer.engine if self.producer is not None else self.weights.engine
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Rank 0: the evaluation after step `step` (step 0: before any update), on the engine's current weights;
         its samples go to eval_samples.jsonl. In async mode the requests share the producer's gate, so the trainer
         waits only for the generation and scoring of the evaluation itself."""
-        if self.evaluator is None or self.requests is None:
+        if self.evaluator is None:
             raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine, with data.eval set")
         log = self.samples_log
         return self.evaluator.evaluate(
@@ -200,10 +188,10 @@ def _run(
         parts.memory.for_rollout()
         if log is not None:
             log.log(0, parts.evaluate(0))  # the curve's start
-    if parts.engine is not None and cfg.trainer.mode == "async":
+    if rank0 and cfg.trainer.mode == "async":
         producer = RolloutProducer(
             cfg,
-            parts.engine,
+            parts.weights.engine,
             parts.data,
             next_step=state.step + 1,
             last_step=cfg.trainer.steps,
@@ -260,9 +248,9 @@ def _build_parts(
         check_warmup_data(data.sft_source(), positions)
     evaluator = Evaluator(data, tokenizer)  # its rewards resolved: an unknown one is refused before the build
     actor = build_actor(cfg, model_dir)
-    engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if dist.get_rank() == 0 else None
-    if engine is not None:
-        closing.callback(engine.shutdown)
+    rank0 = dist.get_rank() == 0
+    engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if rank0 else NoEngine()
+    closing.callback(engine.shutdown)
     state = RunState()
     if plan.resume_from is not None:
         state = RunState.from_saved(checkpoint.load_checkpoint(actor, plan.resume_from))
@@ -270,9 +258,9 @@ def _build_parts(
     memory = ColocatedMemory(
         actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
     )
-    source = SyncRollout(engine, data) if engine is not None else NoRollout()  # async: replaced once warmed up
+    source = SyncRollout(engine, data) if rank0 else NoRollout()  # async: replaced once warmed up
     log = None
-    if dist.get_rank() == 0:
+    if rank0:
         log = RunLog(
             cfg.logging,
             plan.output_dir,
@@ -284,19 +272,19 @@ def _build_parts(
         )
         if plan.resume_from is not None and state.metrics_row is not None:
             log.restore_row(state.step, state.metrics_row)
+    weights = WeightSync(actor, engine, cfg.rollout.bucket_mb, build_verifier(cfg.rollout, data))
     parts = StepParts(
-        cfg, actor, engine, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
+        cfg, actor, weights, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
         samples_log=log.samples if log is not None else None,
-        evaluator=evaluator if engine is not None else None,
-        verifier=build_verifier(cfg.rollout, data),
+        evaluator=evaluator if rank0 else None,
         guard=FidelityGuard(stop_rules(cfg)[0]),
     )  # fmt: skip
     return parts, state, log
 
 
-def fidelity_problem(guard: FidelityGuard | None, step: int, metrics: dict[str, float]) -> str | None:
+def fidelity_problem(guard: FidelityGuard, step: int, metrics: dict[str, float]) -> str | None:
     """Collective: rank 0's verdict on step `step`'s metrics under `trainer.stop_on` (the message, or None)."""
-    if guard is None or not guard.rules:
+    if not guard.rules:
         return None
     return broadcast_object(guard.problem(step, metrics) if dist.get_rank() == 0 else None)
 
@@ -342,7 +330,7 @@ def _first_sync(parts: StepParts, state: RunState) -> None:
     """The engine gets the policy RL starts (or continues) from."""
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
     parts.memory.for_weight_sync()
-    sync_weights(parts.actor, parts.engine, parts.cfg, version=weight_version(state.step), verifier=parts.verifier)
+    parts.weights.send(state.step)
 
 
 def _save(
@@ -387,83 +375,61 @@ def _finish_save(saves: checkpoint.BackgroundSaves | None, stop: StopSignals) ->
 # ---------------------------------------------------------------------------------------------- one RL step
 def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
     """RL step `step`; `first_step` is the first step of this start (routing replay checks its alignment there)."""
-    cfg, algo, actor = p.cfg, p.cfg.algo, p.actor
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
+    cfg, clock = p.cfg, StepClock()
 
     # 1. Rollout with rewards (and dynamic sampling) on rank 0; every rank learns the samples' lengths and rewards.
     #    Colocated: the engine holds the accelerator (memory.for_rollout), then hands it to the trainer.
-    p.memory.for_rollout()
-    rollout = collect_rollout(cfg, step, actor, p.engine, p.source, p.memory, p.verifier)
-    metrics = rollout.metrics
-    p.memory.for_training()
-    timings["time/rollout"] = time.perf_counter() - t0
+    with clock("time/rollout"):
+        p.memory.for_rollout()
+        rollout = collect_rollout(cfg.rollout.restarts_per_step, step, p.weights, p.source, p.memory)
+        p.memory.for_training()
     if not rollout.lengths:  # dynamic sampling kept no group within its tries: nothing to learn from this step
-        if cfg.trainer.mode == "async":  # the producer's schedule moves on: the same weights as version `step`
-            with p.source.updating(step):
-                what = f"step {step}: weight sync"
-                sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
-        elif cfg.rollout.release_memory:  # the released engine weights are gone: re-send the unchanged ones
-            p.memory.for_weight_sync()
-            what = f"step {step}: weight sync"
-            sync_or_defer(actor, p.engine, cfg, version=weight_version(step - 1), what=what, verifier=p.verifier)
-        verified = p.verifier.pop_metrics() if p.verifier is not None else {}
-        return {**metrics, **timings, **p.memory.pop_metrics(), **verified, "time/step": time.perf_counter() - t0}
+        _keep_engine_in_step(p, step)
+        return {**rollout.metrics, **clock.metrics(), **p.memory.pop_metrics(), **p.weights.pop_metrics()}
 
     # 2. Advantages from the group-structured rewards (every rank alike).
-    rewards = torch.tensor(rollout.rewards, dtype=torch.float32)
-    options = estimator_options(algo.advantage, norm_by_std=algo.norm_adv_by_std)
-    advantages = compute_advantages(algo.advantage, rewards, cfg.rollout.n_samples, **options)
-    if p.samples_log is not None and rollout.samples is not None:
+    advantages = step_advantages(cfg.algo, rollout.rewards, cfg.rollout.n_samples)
+    if p.samples_log is not None and rollout.samples is not None:  # rank 0
         p.samples_log.add_step(step, rollout.samples, advantages.tolist())
 
     # 3. The step's plan, fixed for all its passes: its mini-batches and each data-parallel rank's rows of them.
     #    Rank 0 sends each rank only its rows (routes included); old-policy log-probs are computed on exactly the
     #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0), or taken from
     #    that update's own forward on unchecked steps (`algo.first_update_check`, trainer/policy_updates.py).
-    t = time.perf_counter()
-    dp_rank, dp = data_parallel_rank_and_size()
-    plan = plan_step(
-        rollout.lengths, mini_batches=algo.mini_batches_per_step, epochs=algo.ppo_epochs, dp=dp,
-        seed=cfg.trainer.seed, step=step, quadratic=cfg.trainer.balance_quadratic,
-    )  # fmt: skip
-    rows = RankRows(plan, dp_rank)
-    samples, received = share_rows(rollout.samples, plan)
-    batch = samples_to_batch(samples, advantages=advantages[rows.rows])
-    mode = ReplayMode(algo.routing_replay)
-    routes = StepRoutes(mode, actor.dims, rows.rows) if mode.on else None
-    if routes is not None:
-        routes.put_rollout(dict(zip(rows.rows, samples, strict=True)))
-    replay = replay_checks(cfg, step, first_step)
-    on_policy = first_update_scores_itself(algo, step, first_step, routes, replay)
-    first = plan.updates()[0] if on_policy else None
-    entropy = score_old_and_reference(actor, p.reference, batch, rows, routes, replay, skip=first)
-    timings["time/old_logp"] = time.perf_counter() - t
+    with clock("time/old_logp"):
+        rank = rank_batch(cfg, step, rollout, advantages, p.actor.dims)
+        replay = replay_checks(cfg, step, first_step)
+        on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
+        entropy = score_old_and_reference(p.actor, p.reference, rank, replay, on_policy=on_policy)
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
-    t = time.perf_counter()
-    skip_above = p.guard.skip_grad_norm_above if p.guard is not None else None
-    updates = run_updates(actor, p.loss_fn, batch, rows, routes, replay, entropy, on_policy=on_policy, step=step,
-                          on_nonfinite=cfg.trainer.on_nonfinite, skip_grad_norm_above=skip_above)  # fmt: skip
-    metrics.update(scoring_metrics(batch, entropy, received_bytes=received))
-    metrics["actor/ppo_kl_first_checked"] = float(not on_policy)  # 1: ppo_kl_first compared scoring with training
-    update_means, update_routing = update_metrics(updates)
-    metrics.update(update_means)
-    if routes is not None:
-        metrics.update(routes.metrics(update_routing))
-    timings["time/train"] = time.perf_counter() - t
+    with clock("time/train"):
+        updates = run_updates(
+            p.actor, p.loss_fn, rank, replay, entropy, on_policy=on_policy, step=step,
+            on_nonfinite=cfg.trainer.on_nonfinite, skip_grad_norm_above=p.guard.skip_grad_norm_above,
+        )  # fmt: skip
+        metrics = {**rollout.metrics, **training_metrics(rank, entropy, updates, on_policy=on_policy)}
 
     # 5. Weight sync to the rollout engine (async mode: between the producer's requests, on its schedule).
-    t = time.perf_counter()
-    p.memory.for_weight_sync()
-    with p.source.updating(step):
-        what = f"step {step}: weight sync"
-        sync_or_defer(actor, p.engine, cfg, version=weight_version(step), what=what, verifier=p.verifier)
-    timings["time/weight_sync"] = time.perf_counter() - t
-    timings["time/step"] = time.perf_counter() - t0
-    metrics.update({**timings, **p.memory.pop_metrics(), **(p.verifier.pop_metrics() if p.verifier else {})})
-    metrics["perf/tokens_per_s"] = sum(rollout.lengths) / timings["time/step"]
+    with clock("time/weight_sync"):
+        p.memory.for_weight_sync()
+        with p.source.updating(step):
+            p.weights.send_or_defer(step, f"step {step}: weight sync")
+    metrics.update({**clock.metrics(), **p.memory.pop_metrics(), **p.weights.pop_metrics()})
+    metrics["perf/tokens_per_s"] = sum(rollout.lengths) / metrics["time/step"]
     return metrics
+
+
+def _keep_engine_in_step(p: StepParts, step: int) -> None:
+    """A step without an update: async mode's producer still expects the weights of version `step` (the same as
+    `step - 1`'s); colocated with `rollout.release_memory`, the engine's released weights are sent again."""
+    what = f"step {step}: weight sync"
+    if p.cfg.trainer.mode == "async":
+        with p.source.updating(step):
+            p.weights.send_or_defer(step, what)
+    elif p.cfg.rollout.release_memory:
+        p.memory.for_weight_sync()
+        p.weights.send_or_defer(step - 1, what)
 
 
 def replay_checks(cfg: RLConfig, step: int, first_step: int) -> ReplayChecks:

@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
 from megatron_rl.routing.replay import ReplayChecks
-from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer.step_plan import RankRows
+from megatron_rl.trainer.step_plan import RankBatch
 
 
 def score_old_and_reference(
     actor: MegatronActor,
     reference: ReferenceWeights | None,
-    batch: TokenBatch,
-    rows: RankRows,
-    routes: StepRoutes | None,
+    rank: RankBatch,
     replay: ReplayChecks,
     *,
-    skip: int | None = None,
+    on_policy: bool = False,
 ) -> torch.Tensor:
-    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `batch` (this rank's rows) on the
-    micro-batches of the first update of each mini-batch; the old policy's entropy. Mini-batch `skip` is left at 0
-    (its first update scores it: `policy_updates.run_updates`). With a reference equal to the policy the KL is
-    exactly 0."""
+    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `rank.batch` (this rank's rows) on the
+    micro-batches of the first update of each mini-batch; the old policy's entropy. `on_policy`: the step's first
+    update scores its own mini-batch (`policy_updates.run_updates`), which is left at 0 here. With a reference
+    equal to the policy the KL is exactly 0."""
+    batch, rows, routes = rank.batch, rank.rows, rank.routes
+    skip = rows.plan.updates()[0] if on_policy else None
     batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
     entropy = torch.zeros_like(batch.fields["loss_mask"])
     for m in range(len(rows.plan.mini_batches)):

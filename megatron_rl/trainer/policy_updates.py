@@ -15,11 +15,11 @@ from typing import Literal
 import torch
 
 from megatron_rl.config.algo import AlgoConfig
-from megatron_rl.megatron_backend.actor.batch import LossFn, TokenBatch
+from megatron_rl.megatron_backend.actor.batch import LossFn
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer.step_plan import RankRows
+from megatron_rl.trainer.step_plan import RankBatch
 
 
 def first_update_scores_itself(
@@ -37,9 +37,7 @@ def first_update_scores_itself(
 def run_updates(
     actor: MegatronActor,
     loss_fn: LossFn,
-    batch: TokenBatch,
-    rows: RankRows,
-    routes: StepRoutes | None,
+    rank: RankBatch,
     replay: ReplayChecks,
     entropy: torch.Tensor,
     *,
@@ -48,10 +46,11 @@ def run_updates(
     on_nonfinite: Literal["stop", "skip"],
     skip_grad_norm_above: float | None,
 ) -> list[dict[str, float]]:
-    """Every update of the step (`rows.plan.updates()`, epoch after epoch), each one's metrics. `on_policy`: the
-    first update also writes its mini-batch's `old_log_probs` into `batch` and its entropy into `entropy` (the
-    rows the old-policy pass left out), before any later update reads them. `on_nonfinite` and
-    `skip_grad_norm_above` are `train_step`'s."""
+    """Every update of the step on this rank's rows (`rank.rows.plan.updates()`, epoch after epoch), each one's
+    metrics. `on_policy`: the first update also writes its mini-batch's `old_log_probs` into `rank.batch` and its
+    entropy into `entropy` (the rows the old-policy pass left out), before any later update reads them.
+    `on_nonfinite` and `skip_grad_norm_above` are `train_step`'s."""
+    batch, rows, routes = rank.batch, rank.rows, rank.routes
     order = rows.plan.updates()
     updates = []
     for i, m in enumerate(order):

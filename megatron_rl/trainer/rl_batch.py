@@ -1,13 +1,25 @@
-"""Turn rollout `Sample`s into the actor's `TokenBatch` (right-padded, per-token fields aligned)."""
+"""A step's advantages, and rollout `Sample`s turned into the actor's `TokenBatch` (right-padded, per-token fields
+aligned)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
+from megatron_rl.algorithms import compute_advantages
+from megatron_rl.algorithms.advantages import estimator_options
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.routing.cache import padding_routes
+
+
+def step_advantages(algo: Any, rewards: list[float], group_size: int) -> torch.Tensor:
+    """Every sample's advantage (`[n]`) under `algo.advantage` from the step's `rewards`, in groups of `group_size`
+    (a prompt's samples), with `algo.norm_adv_by_std` where the estimator takes it."""
+    options = estimator_options(algo.advantage, norm_by_std=algo.norm_adv_by_std)
+    return compute_advantages(algo.advantage, torch.tensor(rewards, dtype=torch.float32), group_size, **options)
 
 
 def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_routes: bool = False) -> TokenBatch:

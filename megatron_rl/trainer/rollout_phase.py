@@ -1,17 +1,16 @@
 """The trainer's side of the rollout engine: one step's rollout (with server restarts) and the weight sync.
 
 A step's batch comes from a `RolloutSource`: `SyncRollout` generates it when asked; `async_rollout.AsyncRollout`
-takes it from the producer thread.
-
-The engine lives on rank 0 (`engine=None` elsewhere); every rank takes part in the weight export, so each
-function here is collective. Rank 0 keeps the step's samples: every rank learns their lengths and rewards (a few
-bytes each), and each data-parallel rank is sent only the samples it trains on (`share_rows`).
+takes it from the producer thread. Rank 0 holds the engine; the other ranks hold a `NoEngine` and a `NoRollout`,
+which take part in what is collective (the weight export) and do nothing else. Rank 0 keeps the step's samples:
+every rank learns their lengths and rewards (a few bytes each), and each data-parallel rank is sent only the
+samples it trains on (`step_plan.share_rows`). `WeightSync` is the one place a weight version is named.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
-from megatron_rl.megatron_backend.distributed import broadcast_object, scatter_by_data_parallel_rank
+from megatron_rl.megatron_backend.distributed import broadcast_object
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.engines.engine_factory import EngineRun
@@ -27,7 +26,6 @@ from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.step_metrics import rollout_metrics
-from megatron_rl.trainer.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.guards.sync_verification import SyncVerifier
@@ -72,7 +70,7 @@ class SyncRollout:
 @dataclass
 class StepRollout:
     """One step's rollout as every rank sees it: each sample's token count and reward, the rollout metrics, and
-    the samples themselves on rank 0 only (`share_rows` sends each data-parallel rank its own)."""
+    the samples themselves on rank 0 only (`step_plan.share_rows` sends each data-parallel rank its own)."""
 
     lengths: list[int]
     rewards: list[float]
@@ -94,6 +92,90 @@ class NoRollout:
         return nullcontext()
 
 
+class NoEngine:
+    """The `RolloutEngine` of the ranks that hold none (all but rank 0): it drains this rank's share of each weight
+    export (the export's gathers are collective) and holds no memory to release; only rank 0 generates."""
+
+    @property
+    def weight_version(self) -> str:
+        raise RuntimeError("only rank 0 holds the rollout engine")
+
+    def generate(self, prompts: list[list[int]], params: Any, *, n: int = 1, return_routed_experts: bool = False):
+        raise RuntimeError("only rank 0 holds the rollout engine")
+
+    def update_weights(self, buckets: Iterable[Any], version: str) -> None:
+        for _ in buckets:
+            pass
+
+    def score_prompts(self, prompts: list[list[int]]):
+        raise RuntimeError("only rank 0 holds the rollout engine")
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return True
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def recover(self) -> list[str]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """The actor's weights to the rollout engine (`NoEngine` on ranks other than 0), collective: every rank exports.
+    `send(step)` stamps them with `weight_version(step)` (the policy after RL step `step`), the one place a weight
+    version is named. With a `verifier`, the syncs `rollout.verify_sync` asks for are checked against the engine's
+    probe scores."""
+
+    actor: MegatronActor
+    engine: RolloutEngine
+    bucket_mb: int
+    verifier: SyncVerifier | None = None
+
+    def send(self, step: int) -> None:
+        """The policy after step `step` to the engine; a `RolloutEngineError` on rank 0 when the engine failed."""
+        version = weight_version(step)
+        buckets = self.actor.export_hf(bucket_bytes=self.bucket_mb << 20)
+        failed: RolloutEngineError | None = None
+        try:
+            self.engine.update_weights(buckets, version)
+        except RolloutEngineError as err:
+            for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
+                pass
+            failed = err
+        if self.verifier is not None:
+            self.verifier.after_sync(self.actor, self.engine, version, synced=failed is None)
+        if failed is not None:
+            raise failed
+
+    def send_or_defer(self, step: int, what: str) -> None:
+        """`send`, or, when the engine fails (rank 0 only), say so and leave the repair to the next rollout (it
+        restarts the server and re-sends the weights)."""
+        try:
+            self.send(step)
+        except RolloutEngineError as err:
+            print(f"{what} failed ({err}); recovering at the next rollout", flush=True)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The verified syncs' metrics since the last call (`SyncVerifier.pop_metrics`)."""
+        return self.verifier.pop_metrics() if self.verifier is not None else {}
+
+
 def prompt_data(cfg: Any, tokenizer: Any) -> PromptData:
     """The run's prompts (`rollout.data.PromptData`) from the sections of `cfg` (an `RLConfig`) they read."""
     return PromptData(cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer)
@@ -105,23 +187,18 @@ def engine_run(cfg: Any) -> EngineRun:
 
 
 def collect_rollout(
-    cfg: Any,
-    step: int,
-    actor: MegatronActor,
-    engine: RolloutEngine | None,
-    source: RolloutSource,
-    memory: ColocatedMemory,
-    verifier: SyncVerifier | None = None,
+    restarts_per_step: int, step: int, weights: WeightSync, source: RolloutSource, memory: ColocatedMemory
 ) -> StepRollout:
     """Rank 0 takes the step's samples from `source` and tells every rank their lengths and rewards. When a
     rollout server (or the engine's process) dies or hangs, the engine restarts it, every rank re-sends the
-    current weights and the step's rollout is retried from the same prompt position (at most
-    `rollout.restarts_per_step` times)."""
+    current weights and the step's rollout is retried from the same prompt position (at most `restarts_per_step`
+    times)."""
+    rank0 = dist.get_rank() == 0
     restarts = 0
     while True:
         outcome: Any = None
         samples: list[Sample] = []
-        if engine is not None:
+        if rank0:
             try:
                 samples, metrics = source.produce(step)
                 unscored = [i for i, s in enumerate(samples) if s.reward is None]
@@ -131,9 +208,9 @@ def collect_rollout(
                 outcome = StepRollout(lengths, rewards, {**metrics, "rollout/restarts": restarts})
             except RolloutEngineError as err:
                 outcome = err
-                if restarts < cfg.rollout.restarts_per_step:
+                if restarts < restarts_per_step:
                     try:
-                        restarted = engine.recover()
+                        restarted = weights.engine.recover()
                         print(f"step {step}: rollout failed ({err}); restarted {restarted or 'nothing'}, retrying",
                               flush=True)  # fmt: skip
                         source.rewind()
@@ -144,81 +221,12 @@ def collect_rollout(
         if isinstance(outcome, RolloutEngineError):
             raise RolloutEngineError(
                 f"step {step}: rollout failed {restarts + 1} times (rollout.restarts_per_step="
-                f"{cfg.rollout.restarts_per_step}): {outcome}"
-            ) from (outcome if engine is not None else None)
+                f"{restarts_per_step}): {outcome}"
+            ) from (outcome if rank0 else None)
         if isinstance(outcome, StepRollout):
-            return dataclasses.replace(outcome, samples=samples if engine is not None else None)
+            return dataclasses.replace(outcome, samples=samples if rank0 else None)
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         with source.updating(step - 1, on_schedule=False):
-            what = f"step {step}: re-sending the weights"
-            sync_or_defer(actor, engine, cfg, version=weight_version(step - 1), what=what, verifier=verifier)
+            weights.send_or_defer(step - 1, f"step {step}: re-sending the weights")
         memory.for_rollout()
-
-
-def share_rows(samples: list[Sample] | None, plan: StepPlan) -> tuple[list[Sample], int]:
-    """`(samples, bytes)`: the samples this data-parallel rank trains on (`plan.rows_of`, ascending), sent from rank
-    0 (which holds them all, `samples`) to that rank's ranks only, and the pickled bytes this rank received (0 on
-    rank 0). A sample travels with what training reads: tokens, engine log-probs, masks and its routes (compact,
-    uint8/int16); its prompt text, answer and reward parts stay on rank 0, which logs them."""
-    from megatron.core import parallel_state as ps
-
-    dp = ps.get_data_parallel_world_size()
-    if samples is not None:
-        parts = [[_for_training(samples[i]) for i in plan.rows_of(r)] for r in range(dp)]
-        peers = dist.get_world_size() > dp  # model-parallel peers of data-parallel rank 0 receive its part too
-        blobs = [pickle.dumps(part, pickle.HIGHEST_PROTOCOL) if r or peers else b"" for r, part in enumerate(parts)]
-        scatter_by_data_parallel_rank(blobs)
-        return parts[0], 0
-    blob = scatter_by_data_parallel_rank(None)
-    return pickle.loads(blob), len(blob)
-
-
-def _for_training(sample: Sample) -> Sample:
-    excluded = bool(sample.metadata.get("exclude_from_loss"))
-    return dataclasses.replace(sample, metadata={"exclude_from_loss": True} if excluded else {}, reward_parts={})
-
-
-def sync_weights(
-    actor: MegatronActor,
-    engine: RolloutEngine | None,
-    cfg: Any,
-    *,
-    version: str,
-    verifier: SyncVerifier | None = None,
-) -> None:
-    """Stream the actor's weights (HF names) into the rollout engine (collective: every rank exports); with a
-    `verifier`, the syncs it asks for are checked against the engine's probe scores."""
-    buckets = actor.export_hf(bucket_bytes=cfg.rollout.bucket_mb << 20)
-    failed: RolloutEngineError | None = None
-    if engine is None:
-        for _ in buckets:
-            pass
-    else:
-        try:
-            engine.update_weights(buckets, version)
-        except RolloutEngineError as err:
-            for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
-                pass
-            failed = err
-    if verifier is not None:
-        verifier.after_sync(actor, engine, version, synced=engine is not None and failed is None)
-    if failed is not None:
-        raise failed
-
-
-def sync_or_defer(
-    actor: MegatronActor,
-    engine: RolloutEngine | None,
-    cfg: Any,
-    *,
-    version: str,
-    what: str,
-    verifier: SyncVerifier | None = None,
-) -> None:
-    """`sync_weights`, or, when the engine fails (rank 0 only), say so and leave the repair to the next rollout
-    (it restarts the server and re-sends the weights)."""
-    try:
-        sync_weights(actor, engine, cfg, version=version, verifier=verifier)
-    except RolloutEngineError as err:
-        print(f"{what} failed ({err}); recovering at the next rollout", flush=True)

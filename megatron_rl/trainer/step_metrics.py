@@ -1,10 +1,14 @@
-"""The metrics one RL step reports: rollout, trainer-vs-engine mismatch, and the updates' means. Pure functions of
-their inputs, except `scoring_metrics`, which sums this rank's share over the data-parallel ranks (collective)."""
+"""The metrics one RL step reports: rollout, trainer-vs-engine mismatch, the updates' means and the phases' times
+(`StepClock`). Pure functions of their inputs, except `scoring_metrics`, which sums this rank's share over the
+data-parallel ranks (collective)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +16,9 @@ from megatron_rl.algorithms import kl_penalty
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.rollout.agent.multi_turn import multi_turn_metrics
+
+if TYPE_CHECKING:
+    from megatron_rl.trainer.step_plan import RankBatch
 
 
 def rollout_metrics(rollout: Any) -> dict[str, float]:
@@ -116,3 +123,38 @@ def update_metrics(updates: list[dict[str, float]]) -> tuple[dict[str, float], l
     metrics["actor/grad_norm"] = updates[-1]["grad_norm"]
     metrics["actor/lr"] = updates[-1]["lr"]
     return metrics, routing
+
+
+def training_metrics(
+    rank: RankBatch, entropy: torch.Tensor, updates: list[dict[str, float]], *, on_policy: bool
+) -> dict[str, float]:
+    """Collective. The step's scoring metrics from this rank's scored rows (`scoring_metrics`), its updates'
+    (`update_metrics`), the routes' with routing replay, and `actor/ppo_kl_first_checked`: 1 when the old-policy
+    pass scored the first update's mini-batch, so that `actor/ppo_kl_first` compared scoring with training."""
+    metrics = scoring_metrics(rank.batch, entropy, received_bytes=rank.received_bytes)
+    metrics["actor/ppo_kl_first_checked"] = float(not on_policy)
+    means, routing = update_metrics(updates)
+    metrics.update(means)
+    if rank.routes is not None:
+        metrics.update(rank.routes.metrics(routing))
+    return metrics
+
+
+class StepClock:
+    """A step's phase times: `with clock("time/<phase>"):` times one phase; `metrics()` gives them with
+    `time/step`, the time since the clock was made."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, key: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[key] = time.perf_counter() - t
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.times, "time/step": time.perf_counter() - self.start}

@@ -4,19 +4,29 @@ A step's batch is split into `algo.mini_batches_per_step` mini-batches by a seed
 split over the data-parallel ranks by the token-balanced partition of its rows' lengths
 (`balance.balanced_partition`, the rule `micro_batches.data_parallel_partition` applies to a whole batch). The
 plan is fixed for the step: scoring, routing replay and every update of every epoch use it, so a rank needs, is
-sent and keeps only its own rows (`rollout_phase.share_rows`). Later epochs run the same mini-batches in a seeded
-order (verl keeps each rank's rows across epochs the same way).
+sent and keeps only its own rows (`share_rows`). Later epochs run the same mini-batches in a seeded order (verl
+keeps each rank's rows across epochs the same way). `rank_batch` gives a rank all it trains on in one step: its
+rows, their batch and their recorded routes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.megatron_backend.actor.balance import balanced_partition, imbalance
 from megatron_rl.megatron_backend.actor.batch import DPShare, TokenBatch
-from megatron_rl.trainer.rl_batch import select
+from megatron_rl.megatron_backend.distributed import data_parallel_rank_and_size, scatter_by_data_parallel_rank
+from megatron_rl.models.family import ModelDims
+from megatron_rl.rollout.sample import Sample
+from megatron_rl.routing.replay import ReplayMode
+from megatron_rl.routing.step_routes import StepRoutes
+from megatron_rl.trainer.rl_batch import samples_to_batch, select
 
 
 @dataclass(frozen=True)
@@ -94,3 +104,57 @@ class RankRows:
         mb = select(batch, self.local(m))
         mb.dp_share = DPShare(self.plan.imbalance[m])
         return mb
+
+
+def share_rows(samples: list[Sample] | None, plan: StepPlan) -> tuple[list[Sample], int]:
+    """`(samples, bytes)`: the samples this data-parallel rank trains on (`plan.rows_of`, ascending), sent from rank
+    0 (which holds them all, `samples`) to that rank's ranks only, and the pickled bytes this rank received (0 on
+    rank 0). A sample travels with what training reads: tokens, engine log-probs, masks and its routes (compact,
+    uint8/int16); its prompt text, answer and reward parts stay on rank 0, which logs them."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if samples is not None:
+        parts = [[_for_training(samples[i]) for i in plan.rows_of(r)] for r in range(dp)]
+        peers = dist.get_world_size() > dp  # model-parallel peers of data-parallel rank 0 receive its part too
+        blobs = [pickle.dumps(part, pickle.HIGHEST_PROTOCOL) if r or peers else b"" for r, part in enumerate(parts)]
+        scatter_by_data_parallel_rank(blobs)
+        return parts[0], 0
+    blob = scatter_by_data_parallel_rank(None)
+    return pickle.loads(blob), len(blob)
+
+
+def _for_training(sample: Sample) -> Sample:
+    excluded = bool(sample.metadata.get("exclude_from_loss"))
+    return dataclasses.replace(sample, metadata={"exclude_from_loss": True} if excluded else {}, reward_parts={})
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """What this data-parallel rank trains on in one step: its `rows` of the step's plan, their `batch` (with
+    advantages), their recorded routes (`routes`, with routing replay) and the bytes it received for them."""
+
+    rows: RankRows
+    batch: TokenBatch
+    routes: StepRoutes | None
+    received_bytes: int
+
+
+def rank_batch(cfg: Any, step: int, rollout: Any, advantages: torch.Tensor, dims: ModelDims) -> RankBatch:
+    """Collective. Step `step`'s plan (`plan_step` of the rollout's sample lengths under `cfg.algo`'s mini-batches
+    and epochs, seeded by `cfg.trainer.seed`), and this rank's rows of it: sent by rank 0, which holds every
+    sample (`rollout.samples`, a `rollout_phase.StepRollout`), with their `advantages` (every sample's) and, under
+    `cfg.algo.routing_replay`, their routes."""
+    algo = cfg.algo
+    dp_rank, dp = data_parallel_rank_and_size()
+    plan = plan_step(
+        rollout.lengths, mini_batches=algo.mini_batches_per_step, epochs=algo.ppo_epochs, dp=dp,
+        seed=cfg.trainer.seed, step=step, quadratic=cfg.trainer.balance_quadratic,
+    )  # fmt: skip
+    rows = RankRows(plan, dp_rank)
+    mine, received = share_rows(rollout.samples, plan)
+    mode = ReplayMode(algo.routing_replay)
+    routes = StepRoutes(mode, dims, rows.rows) if mode.on else None
+    if routes is not None:
+        routes.put_rollout(dict(zip(rows.rows, mine, strict=True)))
+    return RankBatch(rows, samples_to_batch(mine, advantages=advantages[rows.rows]), routes, received)

@@ -34,8 +34,9 @@ class SyncVerifier:
         self._pending = False
         self._metrics: dict[str, float] = {}
 
-    def after_sync(self, actor: MegatronActor, engine: RolloutEngine | None, version: str, *, synced: bool) -> None:
-        """Collective, right after the sync to `version` (`synced`: rank 0's update succeeded)."""
+    def after_sync(self, actor: MegatronActor, engine: RolloutEngine, version: str, *, synced: bool) -> None:
+        """Collective, right after the sync to `version` (`synced`: rank 0's update succeeded; rank 0 holds the
+        engine)."""
         index, self.syncs = self.syncs, self.syncs + 1
         if not (self._pending or verify_due(self.mode, self.every, index)):
             return
@@ -45,7 +46,7 @@ class SyncVerifier:
         start = time.perf_counter()
         expected = probe_log_probs(actor, self.prompts)
         verdict, failure = ("ok", ""), None
-        if engine is not None:
+        if torch.distributed.get_rank() == 0:
             try:
                 mismatch = self._check(engine, expected, version)
                 verdict = ("ok", "") if mismatch is None else ("mismatch", mismatch)

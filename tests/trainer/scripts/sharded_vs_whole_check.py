@@ -56,8 +56,7 @@ def main() -> None:
     from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.trainer.rl_batch import samples_to_batch, select
     from megatron_rl.trainer.rl_loss import build_rl_loss
-    from megatron_rl.trainer.rollout_phase import share_rows
-    from megatron_rl.trainer.step_plan import RankRows, plan_step
+    from megatron_rl.trainer.step_plan import RankRows, plan_step, share_rows
 
     layout = ParallelLayout()
     dims = model_dims(read_hf_config(args.model))
