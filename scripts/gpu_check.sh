@@ -16,7 +16,7 @@
 # breakdown on the demo (benchmarks/bench_rl_step.py: rollout, old log-probs, updates, sync; JSON copied to $OUT);
 # the optimizer CPU offload (Megatron's HybridDeviceOptimizer with the precision-aware optimizer): three updates
 # match the resident optimizer's within bf16 rounding with the state in host memory, and a checkpoint resume
-# with it continues bit for bit (tests/actor/test_optimizer_offload.py; these skip without Transformer Engine,
+# with it continues bit for bit (tests/megatron_backend/actor/test_optimizer_offload.py; these skip without Transformer Engine,
 # which the precision-aware optimizer needs: environment.txt says whether it imported).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,11 +36,12 @@ PY
 } 2>&1 | tee "$OUT/environment.txt"
 # -o addopts=: one process on the one GPU, and no need for pytest-xdist there.
 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-    tests/actor/test_logprobs_cli.py::test_logprobs_match_transformers \
-    tests/actor/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
-    tests/actor/test_layouts.py::test_single_process_invariants \
-    tests/megatron/test_vocab_parallel.py tests/kernels tests/trainer/test_rl_loss.py \
-    tests/actor/test_offload.py tests/actor/test_optimizer_offload.py -rs 2>&1 | tee "$OUT/pytest.txt"
+    tests/commands/test_logprobs_cli.py::test_logprobs_match_transformers \
+    tests/commands/test_logprobs_cli.py::test_replay_routes_reproduces_recording_and_catches_misalignment \
+    tests/megatron_backend/actor/test_layouts.py::test_single_process_invariants \
+    tests/kernels tests/trainer/test_rl_loss.py \
+    tests/megatron_backend/actor/test_offload.py tests/megatron_backend/actor/test_optimizer_offload.py \
+    -rs 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
 timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"

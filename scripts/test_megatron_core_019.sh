@@ -16,4 +16,5 @@ fi
 "$VENV/bin/python" -c "import importlib.metadata as m; v = m.version('megatron-core'); assert v == '0.19.2', v; print('megatron-core', v)"
 # Tests marked same_on_every_megatron exercise only our own code around Megatron (the default tier runs them).
 "$VENV/bin/python" -m pytest -q -m "not sglang and not slurm and not slow and not same_on_every_megatron" \
-    tests/actor tests/megatron tests/conversion tests/families "$@"
+    tests/megatron_backend tests/models tests/formats tests/commands tests/test_parallel_layout.py \
+    tests/kernels/test_vocab_parallel.py "$@"

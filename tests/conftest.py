@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
 from tests import shared_runs
-from tests.families.tiny_moe_decoders import make_tiny_mixtral, make_tiny_qwen2_moe
+from tests.models.tiny_moe_decoders import make_tiny_mixtral, make_tiny_qwen2_moe
 
 # One intra-op thread per test process (subprocesses inherit it; torchrun ranks get it from the harness): the tiny
 # models' ops take microseconds, where a second OpenMP thread costs more than it saves and stalls for milliseconds

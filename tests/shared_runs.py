@@ -1,6 +1,6 @@
 """Costly results built once per pytest session and shared by every test process: the warmed-up demo model
 (with the `train` checkpoint of the run that warmed it up) and the actor checkpoints of
-tests/actor/scripts/checkpoint_check.py.
+tests/megatron_backend/checkpoint/scripts/checkpoint_check.py.
 
 With pytest-xdist each worker is a process of its own with a temporary folder under one folder of the session;
 the first worker that asks builds the result there under a file lock, the others wait for it and reuse it.
@@ -21,7 +21,7 @@ import pytest
 from filelock import FileLock  # a dependency of torch
 
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
-from tests.megatron.dist_harness import run_torchrun
+from tests.dist_harness import run_torchrun
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny_moe_gspo.yaml"
 TRAIN = [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE)]
@@ -78,7 +78,7 @@ def warmed_demo_model(tmp_path_factory: pytest.TempPathFactory) -> WarmedModel:
     return WarmedModel(folder / "initial", folder / "run" / "warmup_model", folder / "run")
 
 
-CHECKPOINT_SCRIPT = Path(__file__).parent / "actor" / "scripts" / "checkpoint_check.py"
+CHECKPOINT_SCRIPT = Path(__file__).parent / "megatron_backend" / "checkpoint" / "scripts" / "checkpoint_check.py"
 
 
 def checkpoint_phase(

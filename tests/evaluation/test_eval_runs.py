@@ -134,7 +134,7 @@ def test_eval_command_reproduces_the_runs_numbers(eval_run) -> None:
 def test_eval_in_a_parallel_layout(eval_run, layout: str) -> None:
     """The step-2 checkpoint loaded into 2 ranks scores exactly as in one process: the engine gets the same full
     tensors whatever the actor's layout."""
-    from tests.megatron.dist_harness import run_torchrun
+    from tests.dist_harness import run_torchrun
 
     one = json.loads((eval_run.out / "eval" / "step_000000002" / "eval_results.json").read_text())["metrics"]
     out = eval_run.out / f"eval_{layout}"

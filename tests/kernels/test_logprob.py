@@ -223,7 +223,7 @@ def test_matches_transformer_engine_parallel_cross_entropy(triton_kernels: objec
 def test_tp2_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from tests.megatron.dist_harness import run_torchrun
+    from tests.dist_harness import run_torchrun
 
     impls = ["chunked"] + (["triton"] if importlib.util.find_spec("triton") else [])
     cases = [

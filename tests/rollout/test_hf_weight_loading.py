@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.rollout.engines.hf_weight_loading import HFWeightLoader, WeightUpdateError
-from tests.families.tiny_moe_decoders import make_tiny_mixtral, make_tiny_qwen2_moe
+from tests.models.tiny_moe_decoders import make_tiny_mixtral, make_tiny_qwen2_moe
 
 
 @pytest.mark.parametrize("make", [make_tiny_mixtral, make_tiny_qwen2_moe], ids=["mixtral", "qwen2_moe"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron.dist_harness import run_torchrun
+from tests.dist_harness import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "replay_check.py"
 pytestmark = pytest.mark.torchrun

@@ -19,8 +19,8 @@ from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
-from tests.actor.hf_reference import hf_score
-from tests.families.tiny_glm4_moe import FULL, make_tiny_glm4_moe
+from tests.hf_reference import hf_score
+from tests.models.tiny_glm4_moe import FULL, make_tiny_glm4_moe
 
 pytestmark = pytest.mark.sglang
 

@@ -184,7 +184,7 @@ def test_r3_replay_against_natural_routing_on_the_same_samples(sglang_py: str, m
     from megatron_rl.config.sampling import SamplingParams
     from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
     from megatron_rl.tiny_model import build_char_tokenizer
-    from tests.megatron.dist_harness import run_torchrun
+    from tests.dist_harness import run_torchrun
 
     tokenizer = build_char_tokenizer()
     prompts = [tokenizer(f"{n:05d}>", add_special_tokens=False)["input_ids"] for n in range(10417, 10417 + 16 * 7, 7)]
@@ -261,12 +261,12 @@ def test_sglang_serves_an_exported_rl_checkpoint(sglang_py: str, model_dir: Path
     convert megatron-to-hf`, served by the real SGLang server: its teacher-forced log-probs match the
     trainer's own scoring of the checkpoint."""
     from megatron_rl.rollout.sglang.sglang_engine import SGLangEngine
-    from tests.megatron.dist_harness import run_torchrun
+    from tests.dist_harness import run_torchrun
 
     repo = Path(__file__).parents[2]
     ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
     train_args = ["--model", str(model_dir), "--ckpt", str(ckpt), "--out", str(tmp_path / "r.json"), "--phase", "full"]
-    run_torchrun(repo / "tests" / "actor" / "scripts" / "checkpoint_check.py", 1, train_args)
+    run_torchrun(repo / "tests" / "megatron_backend" / "checkpoint" / "scripts" / "checkpoint_check.py", 1, train_args)
     cli = [sys.executable, "-m", "megatron_rl.cli"]
     export_args = ["convert", "megatron-to-hf", str(ckpt), str(exported), "--hf-extras", str(model_dir)]
     convert = subprocess.run([*cli, *export_args], capture_output=True, text=True, timeout=300)

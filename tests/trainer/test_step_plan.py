@@ -13,7 +13,7 @@ import torch
 from megatron_rl.megatron_backend.actor.balance import balanced_partition
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.trainer.step_plan import RankRows, plan_step
-from tests.megatron.dist_harness import run_torchrun
+from tests.dist_harness import run_torchrun
 from tests.shared_runs import DEMO_WARMUP, EXAMPLE
 
 REPO = Path(__file__).parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
-from tests.megatron.dist_harness import run_torchrun
+from tests.dist_harness import run_torchrun
 from tests.shared_runs import DEMO_SEED, DEMO_WARMUP, EXAMPLE, TRAIN, WarmedModel
 
 # Deterministic (seeded sampling, CPU): a short version of the embedded demo. Tests about the RL steps start from
@@ -353,7 +353,7 @@ def test_routing_replay_at_dp2_keeps_each_ranks_routes_only(warmed: Path, tmp_pa
 def test_logprobs_from_training_checkpoint_in_other_layouts(warmed_demo: WarmedModel, tmp_path: Path) -> None:
     """`megatron-rl logprobs --checkpoint` scores a checkpoint `train` wrote (the shared warm-up run's), at TP=1
     and TP=2 alike."""
-    from tests.actor.hf_reference import make_samples
+    from tests.hf_reference import make_samples
 
     out = warmed_demo.run
     inp = tmp_path / "in.jsonl"

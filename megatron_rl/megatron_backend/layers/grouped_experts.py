@@ -12,7 +12,7 @@ over the token groups, forward and backward, on CPU and on CUDA; a loop of bare 
 cannot run or, on CPU, where stacking the weights would cost more (`_grouped_linear`); and every elementwise step
 once over all tokens. Each group's matmul is the one `SequentialMLP`'s linear layers compute, so on SwiGLU experts
 the outputs and gradients are bitwise those of `SequentialMLP`; with expert biases or GPT-OSS's gate they agree
-to fp32 rounding (tests/megatron/test_grouped_experts.py).
+to fp32 rounding (tests/megatron_backend/layers/test_grouped_experts.py).
 
 The forward is `MLP.forward` (transformer/mlp.py, megatron-core 0.16 and 0.19 alike) on the unfused path:
 fc1 (+ bias), the gated linear unit with the config's activation, clamp and linear offset (or the plain

@@ -8,8 +8,8 @@ micro-batch that is 240 of the scoring forward's 825 top-level operators (`bench
 `one_pass_thd` gathers each token's frequencies with one index (its position within its sample) and rotates the
 row as a single segment with Megatron's own formula, its cosines and sines computed once per forward rather than
 for the queries and again for the keys of every layer: the same output and gradient bit for bit
-(tests/megatron/test_packed_rope.py, on megatron-core 0.16, which rotates the gathered row at once, and 0.19,
-which rotates each sample on its own). Context parallelism (a CP group of more than one rank) keeps Megatron's
+(tests/megatron_backend/layers/test_packed_rope.py, on megatron-core 0.16, which rotates the gathered row at once,
+and 0.19, which rotates each sample on its own). Context parallelism (a CP group of more than one rank) keeps Megatron's
 path, which also splits each sample over ranks.
 """
 

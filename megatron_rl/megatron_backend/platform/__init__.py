@@ -44,7 +44,8 @@ megatron-core release is refused where they apply (CPU) and only warned about on
 where nothing is patched (`check_megatron_version`).
 
 Nothing else in the package should call `torch.cuda`; ask `device()`, `dist_backend()` and the
-capabilities of `accelerator` here (tests/megatron/test_platform_capabilities.py enforces it). Usage, in this order::
+capabilities of `accelerator` here (tests/megatron_backend/platform/test_platform_capabilities.py enforces it).
+Usage, in this order::
 
     prepare_megatron_import()   # before the first `import megatron.core`
     info = bridge_cpu()         # before building models; no-op on CUDA
