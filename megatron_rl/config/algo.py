@@ -13,6 +13,23 @@ PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation: a teacher scores every token the student sampled, and the per-token reverse KL
+    ``log π_teacher(y_t) − log π_old(y_t)`` is added to the advantage (docs/algorithms.md, "On-policy
+    distillation")."""
+
+    teacher: str | None = setting(
+        None,
+        help="HF checkpoint of the teacher (its tokenizer must be the student's); null = no distillation. It runs "
+        "in the actor's parallel layout, swapped in like the KL reference, so it has the student's architecture",
+    )
+    coef: float = setting(1.0, help="weight of the distillation advantage: A = A_task + coef * A_distill", gt=0)
+    task_rewards: bool = setting(
+        True, help="keep the task rewards' advantage A_task; false = distillation alone (A = coef * A_distill)"
+    )
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     """The RL objective: policy loss, aggregation, advantages, KL, rollout correction, DAPO shaping.
 
@@ -122,6 +139,9 @@ class AlgoConfig:
     )
     ppo_epochs: int = setting(
         1, help="passes over each rollout batch (later passes run the same mini-batches in a seeded order)", ge=1
+    )
+    distill: DistillConfig = setting(
+        default_factory=DistillConfig, help="on-policy distillation from a teacher (per-token reverse KL)"
     )
     mini_batches_per_step: int = setting(
         1,

@@ -59,6 +59,12 @@ def check_input_paths(cfg: RLConfig) -> None:
                 f"model.hf_path={model.hf_path!r} has no config.json: it must be a Hugging Face model directory "
                 "(config.json, *.safetensors, tokenizer)"
             )
+    teacher = cfg.algo.distill.teacher
+    if teacher is not None and not (Path(teacher) / "config.json").is_file():
+        errors.append(
+            f"algo.distill.teacher={teacher!r} is not a Hugging Face model directory (no config.json): point it at "
+            "the teacher's checkpoint, or set it to null to train without distillation"
+        )
     tokenizer = model.tokenizer_path
     if tokenizer is not None and tokenizer != model.hf_path and not Path(tokenizer).is_dir():
         errors.append(
@@ -153,6 +159,17 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(
             f"algo.rollout_correction_low={algo.rollout_correction_low} > algo.rollout_correction_high="
             f"{algo.rollout_correction_high}: icepop keeps weights in [low, high]"
+        )
+    distill = algo.distill
+    if distill.teacher is not None and not distill.task_rewards and algo.dynamic_sampling:
+        errors.append(
+            "algo.dynamic_sampling drops groups by their task rewards, which algo.distill.task_rewards=false leaves "
+            "out of the advantage: set algo.dynamic_sampling=false"
+        )
+    if distill.teacher is not None:
+        notes.append(
+            f"algo.distill.teacher={distill.teacher}: its weights are kept on the host and swapped into the actor to "
+            "score each step's tokens (as the KL reference is)"
         )
     if algo.kl_coef > 0:
         notes.append(

@@ -31,7 +31,7 @@ from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoin
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
-from megatron_rl.models.architecture import max_positions, model_dims
+from megatron_rl.models.architecture import check_same_architecture, max_positions, model_dims
 from megatron_rl.models.family import ModelDims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
@@ -41,13 +41,13 @@ from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard, FidelityStop
-from megatron_rl.trainer.guards.input_guards import check_positions, check_tokenizer
+from megatron_rl.trainer.guards.input_guards import check_positions, check_same_tokenizer, check_tokenizer
 from megatron_rl.trainer.guards.stop_signals import StopSignals
 from megatron_rl.trainer.guards.sync_verification import build_verifier
 from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.logs.run_log import RunLog, run_header
 from megatron_rl.trainer.logs.sample_log import SampleLog
-from megatron_rl.trainer.old_policy_scores import score_old_and_reference
+from megatron_rl.trainer.old_policy_scores import distill_advantages, score_old_and_reference
 from megatron_rl.trainer.policy_updates import first_update_scores_itself, run_updates
 from megatron_rl.trainer.rl_batch import step_advantages
 from megatron_rl.trainer.rl_loss import build_rl_loss
@@ -93,6 +93,7 @@ class StepParts:
     loss_fn: LossFn
     memory: ColocatedMemory
     source: RolloutSource = NoRollout()  # rank 0: where its step batches come from (SyncRollout, AsyncRollout)
+    teacher: ReferenceWeights | None = None  # algo.distill.teacher, on the host like the reference
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
@@ -181,7 +182,11 @@ def _run(
     if not _prepare_policy(parts, state, model_dir, plan.output_dir / WARMUP_MODEL, warmup):  # a signal mid-SFT
         plots = log.close() if log is not None else []
         return TrainResult(plan.output_dir, [], plots, stopped_by=warmup.stopped_by)
-    parts = replace(parts, reference=_reference(cfg, parts.actor, model_dir, plan.output_dir / WARMUP_MODEL))
+    parts = replace(
+        parts,
+        reference=_reference(cfg, parts.actor, model_dir, plan.output_dir / WARMUP_MODEL),
+        teacher=reference_from_hf(parts.actor, cfg.algo.distill.teacher) if cfg.algo.distill.teacher else None,
+    )
     _first_sync(parts, state)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
     if state.step == 0 and evaluating:
@@ -241,6 +246,7 @@ def _build_parts(
     """The step's parts, the state to continue from (step, warm-up done, data position, metrics row) and rank 0's
     run log (metrics, plots, samples; its last row restored on a resume)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
+    check_teacher(cfg, tokenizer)
     data = prompt_data(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
     positions = max_positions(read_hf_config(model_dir))
     check_positions(cfg, data, positions)
@@ -400,7 +406,8 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         rank = rank_batch(cfg, step, rollout, advantages, p.actor.dims)
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
-        entropy = score_old_and_reference(p.actor, p.reference, rank, replay, on_policy=on_policy)
+        entropy = score_old_and_reference(p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher)
+        distilled = distill_advantages(cfg.algo.distill, rank.batch) if p.teacher is not None else {}
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     with clock("time/train"):
@@ -408,7 +415,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
             p.actor, p.loss_fn, rank, replay, entropy, on_policy=on_policy, step=step,
             on_nonfinite=cfg.trainer.on_nonfinite, skip_grad_norm_above=p.guard.skip_grad_norm_above,
         )  # fmt: skip
-        metrics = {**rollout.metrics, **training_metrics(rank, entropy, updates, on_policy=on_policy)}
+        metrics = {**rollout.metrics, **distilled, **training_metrics(rank, entropy, updates, on_policy=on_policy)}
 
     # 5. Weight sync to the rollout engine (async mode: between the producer's requests, on its schedule).
     with clock("time/weight_sync"):
@@ -463,3 +470,17 @@ def load_tokenizer(cfg: RLConfig, model_vocab: int) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path)
     check_tokenizer(tokenizer, path, cfg.model.hf_path, model_vocab)
     return tokenizer
+
+
+def check_teacher(cfg: RLConfig, tokenizer: Any) -> None:
+    """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer or architecture is not the
+    student's, before the model build: it is swapped into the student's model, as the KL reference is."""
+    path = cfg.algo.distill.teacher
+    if path is None:
+        return
+    from transformers import AutoTokenizer
+
+    student = cfg.model.tokenizer_path or cfg.model.hf_path
+    check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), student, path)
+    where = f"algo.distill.teacher={path} (a teacher runs in the student's model, so it needs its architecture)"
+    check_same_architecture(read_hf_config(cfg.model.hf_path), read_hf_config(path), where)

@@ -1,11 +1,16 @@
-"""The old-policy (and reference) scoring pass of an RL step, on this data-parallel rank's rows."""
+"""The old-policy (and reference, and teacher) scoring pass of an RL step, on this data-parallel rank's rows, and
+on-policy distillation's advantages from the teacher's scores (`algo.distill`; `algorithms.distillation`, eq. 1-2)."""
 
 from __future__ import annotations
 
 import torch
 
+from megatron_rl.algorithms.distillation import mixed_advantages, reverse_kl_advantages
+from megatron_rl.config.algo import DistillConfig
+from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
+from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.step_plan import RankBatch
 
@@ -17,9 +22,11 @@ def score_old_and_reference(
     replay: ReplayChecks,
     *,
     on_policy: bool = False,
+    teacher: ReferenceWeights | None = None,
 ) -> torch.Tensor:
-    """Fill `old_log_probs` (and `ref_log_probs` with a KL reference) of `rank.batch` (this rank's rows) on the
-    micro-batches of the first update of each mini-batch; the old policy's entropy. `on_policy`: the step's first
+    """Fill `old_log_probs` (with a KL reference `ref_log_probs`, with a distillation `teacher`
+    `teacher_log_probs`) of `rank.batch` (this rank's rows) on the micro-batches of the first update of each
+    mini-batch; the old policy's entropy. `on_policy`: the step's first
     update scores its own mini-batch (`policy_updates.run_updates`), which is left at 0 here. With a reference
     equal to the policy the KL is exactly 0."""
     batch, rows, routes = rank.batch, rank.rows, rank.routes
@@ -39,10 +46,32 @@ def score_old_and_reference(
             entropy[local] = scored.entropy
         if routes is not None:
             routes.after_scoring(rows.keys(m), scored, mb.lengths)
-    if reference is not None:
-        batch.fields["ref_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
-        with reference.swapped_in() as ref_actor:
+    frozen = {"ref_log_probs": reference, "teacher_log_probs": teacher}
+    for field, weights in frozen.items():
+        if weights is None:
+            continue
+        batch.fields[field] = torch.zeros_like(batch.fields["loss_mask"])
+        with weights.swapped_in() as frozen_actor:  # routes itself: replay is the trained policy's
             for m in range(len(rows.plan.mini_batches)):
-                scored = ref_actor.compute_log_probs(rows.mini_batch(batch, m))
-                batch.fields["ref_log_probs"][rows.local(m)] = scored.log_probs
+                batch.fields[field][rows.local(m)] = frozen_actor.compute_log_probs(rows.mini_batch(batch, m)).log_probs
     return entropy
+
+
+def distill_advantages(distill: DistillConfig, batch: TokenBatch) -> dict[str, float]:
+    """Collective. Rewrite `batch`'s `advantages` (the task's, per sample) as eq. (2) from its `teacher_log_probs`
+    and `old_log_probs`; the step's `distill/teacher_logp_mean` and `distill/reverse_kl` (the mean of
+    log π_old − log π_teacher, an estimate of KL(π_old ‖ π_teacher)) over every rank's trained tokens."""
+    mask = batch.fields["loss_mask"]
+    teacher, old = batch.fields["teacher_log_probs"], batch.fields["old_log_probs"]
+    batch.fields["advantages"] = mixed_advantages(
+        batch.fields["advantages"],
+        reverse_kl_advantages(teacher, old, mask),
+        mask,
+        coef=distill.coef,
+        task_rewards=distill.task_rewards,
+    )
+    valid = mask > 0
+    sums = torch.stack([valid.sum().double(), teacher[valid].double().sum(), (old - teacher)[valid].double().sum()])
+    tokens, teacher_sum, kl_sum = sum_over_data_parallel(sums).tolist()
+    tokens = max(tokens, 1.0)
+    return {"distill/teacher_logp_mean": teacher_sum / tokens, "distill/reverse_kl": kl_sum / tokens}

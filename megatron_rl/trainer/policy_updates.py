@@ -27,10 +27,10 @@ def first_update_scores_itself(
 ) -> bool:
     """Whether the first update's forward supplies its mini-batch's old log-probs (and entropy) this step, instead
     of the old-policy pass. Never on a checked step (`algo.first_update_check`), under R2 (the old-policy pass
-    records the routes every update replays) or when this step measures R3's rollout agreement (a scoring
-    pass's metric)."""
-    if algo.first_update_check == "every_step" or step == first_step:
-        return False
+    records the routes every update replays), with distillation (its advantages read the old log-probs before any
+    update) or when this step measures R3's rollout agreement (a scoring pass's metric)."""
+    if algo.first_update_check == "every_step" or step == first_step or algo.distill.teacher is not None:
+        return False  # distillation's advantages need every mini-batch's old log-probs before the first update
     return routes is None or (routes.scoring_mode == "replay" and not replay.agreement)
 
 

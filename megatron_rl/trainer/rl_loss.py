@@ -13,6 +13,7 @@ from typing import Literal, cast
 import torch
 
 from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, policy_loss, rollout_correction_weights
+from megatron_rl.algorithms.distillation import sequence_mean
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
@@ -25,6 +26,8 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
         mask = mb.fields["loss_mask"].to(device)
         old = mb.fields["old_log_probs"].to(device)
         adv = mb.fields["advantages"].to(device)
+        if algo.loss == "gspo" and algo.distill.teacher is not None:  # per-token advantages, a sequence-level loss
+            adv = sequence_mean(adv, mask)
         weights = None
         if algo.rollout_correction != "none":
             weights = rollout_correction_weights(

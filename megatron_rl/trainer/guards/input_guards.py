@@ -101,3 +101,32 @@ def check_positions(cfg: RLConfig, data: Any, max_positions: int) -> None:
                 f"{e.max_new_tokens} is {length + e.max_new_tokens} tokens, more than the model's {max_positions} "
                 f"positions: use a max_new_tokens of at most {max(max_positions - length, 0)}"
             )
+
+
+def check_same_tokenizer(student: Any, teacher: Any, student_path: str | Path, teacher_path: str | Path) -> None:
+    """Refuse a distillation teacher whose tokenizer differs from the student's: the token -> id maps and the
+    special ids (eos/bos/pad/unk and every added special token) must be identical, since the teacher scores the
+    student's token ids."""
+    theirs, mine = teacher.get_vocab(), student.get_vocab()
+    problem = None
+    if theirs != mine:
+        differs = sorted(set(theirs.items()) ^ set(mine.items()), key=lambda kv: kv[1])
+        token, _ = differs[0]
+        problem = (
+            f"{len(differs)} token -> id pairs differ, e.g. {token!r}: student id {mine.get(token)}, teacher id "
+            f"{theirs.get(token)}"
+        )
+    else:
+        for name in ("eos", "bos", "pad", "unk"):
+            a, b = getattr(student, f"{name}_token_id", None), getattr(teacher, f"{name}_token_id", None)
+            if a != b:
+                problem = f"{name}_token_id: student {a}, teacher {b}"
+                break
+        specials = sorted(student.all_special_ids), sorted(teacher.all_special_ids)
+        if problem is None and specials[0] != specials[1]:
+            problem = f"special ids: student {specials[0]}, teacher {specials[1]}"
+    if problem is not None:
+        raise InputMismatchError(
+            f"algo.distill.teacher={teacher_path}: its tokenizer is not the student's ({student_path}): {problem}; "
+            "on-policy distillation scores the student's token ids, so both must use one tokenizer"
+        )

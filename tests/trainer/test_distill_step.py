@@ -1,0 +1,108 @@
+"""On-policy distillation with a Megatron teacher (`algo.distill`): the teacher's log-probs of the student's tokens
+are transformers' scores of the teacher checkpoint; a teacher with another tokenizer or architecture is refused
+before the build; in the loop, a teacher equal to the student gives a reverse KL of exactly 0."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
+from tests.hf_reference import hf_score, make_samples
+from tests.megatron_backend.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
+from tests.shared_runs import EXAMPLE
+
+# fp32 on both sides, different kernels and summation orders: measured below 2e-6 on these tokens
+TEACHER_TOL = 1e-5
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_the_megatron_teacher_scores_the_students_tokens_as_transformers_scores_the_teacher(tmp_path: Path) -> None:
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
+    from megatron_rl.megatron_backend.actor.reference import reference_from_hf
+    from megatron_rl.parallel_layout import ParallelLayout
+
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", seed=2)
+    actor = MegatronActor.from_hf(student, ParallelLayout(), model_options=ModelOptions(dtype="fp32"))
+    samples = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.tensor([s["input_ids"] + [0] * (width - len(s["input_ids"])) for s in samples])
+    batch = TokenBatch(ids, torch.tensor([len(s["input_ids"]) for s in samples]),
+                       torch.tensor([s["response_start"] for s in samples]))  # fmt: skip
+    with reference_from_hf(actor, teacher).swapped_in() as scoring:
+        taught = scoring.compute_log_probs(batch).log_probs
+    own = actor.compute_log_probs(batch).log_probs  # the student's weights are back
+    for i, (t, s) in enumerate(zip(hf_score(teacher, samples), hf_score(student, samples), strict=True)):
+        start, end = samples[i]["response_start"], len(samples[i]["input_ids"])
+        assert (taught[i, start:end].double() - t["log_probs"]).abs().max() < TEACHER_TOL
+        assert (own[i, start:end].double() - s["log_probs"]).abs().max() < TEACHER_TOL
+        assert (t["log_probs"] - s["log_probs"]).abs().max() > 1e-2  # two different models
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_same_tokenizer
+
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(make_tiny_qwen3_moe(tmp_path / "built", seed=2), teacher)
+    other = AutoTokenizer.from_pretrained(teacher)
+    other.add_special_tokens({"additional_special_tokens": ["<|teacher_only|>"]})
+    other.save_pretrained(teacher)
+    mine = AutoTokenizer.from_pretrained(student)
+    check_same_tokenizer(mine, AutoTokenizer.from_pretrained(student), student, student)  # the same: accepted
+    with pytest.raises(InputMismatchError) as err:
+        check_same_tokenizer(mine, AutoTokenizer.from_pretrained(teacher), student, teacher)
+    message = str(err.value)
+    assert f"algo.distill.teacher={teacher}" in message and str(student) in message and "<|teacher_only|>" in message
+
+
+def _train(out: Path, model: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
+               f"model.hf_path={model}", "warmup.sft_steps=0", "trainer.steps=2", "data.eval=null",
+               "data.eval_every=0", "trainer.save_every=0", "logging.plot=false", "rollout.prompts_per_step=8",
+               "rollout.n_samples=4", "algo.mini_batches_per_step=2", *overrides]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
+def test_a_teacher_of_another_architecture_is_refused_before_the_build(tmp_path: Path) -> None:
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=1)
+    proc = _train(tmp_path / "run", student, f"algo.distill.teacher={teacher}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"algo.distill.teacher={teacher}" in proc.stderr and "num_hidden_layers=3" in proc.stderr, proc.stderr
+
+
+def test_a_teacher_path_without_a_model_is_refused(tmp_path: Path) -> None:
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    proc = _train(tmp_path / "run", student, f"algo.distill.teacher={tmp_path / 'nowhere'}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "is not a Hugging Face model directory (no config.json)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl_and_the_task_advantages(tmp_path: Path) -> None:
+    """With the student as its own teacher, eq. (1) is exactly 0 on every token (the same weights swapped in score
+    the same micro-batches), so the run trains exactly as without distillation: same metrics, bitwise."""
+    model = make_tiny_qwen3_moe(tmp_path / "model", seed=1)
+    plain = _train(tmp_path / "plain", model)
+    taught = _train(tmp_path / "taught", model, f"algo.distill.teacher={model}")
+    for proc in (plain, taught):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("plain", "taught")}  # fmt: skip
+    for a, b in zip(rows["plain"], rows["taught"], strict=True):
+        assert b["distill/reverse_kl"] == 0.0 and b["distill/teacher_logp_mean"] < 0
+        assert b["actor/ppo_kl_first"] == 0.0
+        same = [k for k in a if not k.startswith(("time/", "perf/")) and k != "actor/ppo_kl_first_checked"]
+        assert {"actor/pg_loss", "actor/grad_norm", "mismatch/logp_abs_diff"} <= set(same)
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
