@@ -12,14 +12,15 @@ from megatron_rl.rollout.plugins import lookup
 
 
 def check_plugins(data: DataConfig, rollout: RolloutConfig) -> None:
-    """Resolve every plugin the config's `data` and `rollout` sections name (the rewards of `data.reward`,
-    `rollout.env` with the tools and tool-call format in `rollout.env_options`, `rollout.generate_fn`): one
-    ConfigError listing each that does not resolve. Run before anything is built or planned; plugin modules must be
-    imported (`import_plugins`) first."""
+    """Resolve every plugin the config's `data` and `rollout` sections name (the rewards of `data.reward`, with
+    their signatures and options, `rollout.env` with the tools and tool-call format in `rollout.env_options`,
+    `rollout.generate_fn`): one ConfigError listing each that does not resolve. Run before anything is built or
+    planned; plugin modules must be imported (`import_plugins`) first."""
     from megatron_rl.rollout.agent.env import get_env, get_generate_fn
     from megatron_rl.rollout.agent.tool_calls import TOOL_CALL_FORMATS
     from megatron_rl.rollout.agent.tools import TOOLS
     from megatron_rl.rollout.rewards import get_reward
+    from megatron_rl.rollout.rewards.user_functions import check_options, reward_style
 
     errors: list[str] = []
 
@@ -29,8 +30,12 @@ def check_plugins(data: DataConfig, rollout: RolloutConfig) -> None:
         except ValueError as err:
             errors.append(f"{key}: {err}")
 
+    def check_reward(name: str, options: dict) -> None:
+        fn = get_reward(name)
+        check_options(fn, reward_style(fn, name), options, name)  # e.g. remote's url, refused here in one line
+
     for spec in data.reward_specs():
-        resolve(f"data.reward={spec.name!r}", functools.partial(get_reward, spec.name))
+        resolve(f"data.reward={spec.name!r}", functools.partial(check_reward, spec.name, spec.options))
     env, generate_fn = rollout.env, rollout.generate_fn
     if env is not None:
         resolve(f"rollout.env={env!r}", functools.partial(get_env, env))

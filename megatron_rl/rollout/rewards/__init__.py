@@ -16,6 +16,8 @@ Two signatures are accepted, told apart by `inspect.signature` (`user_functions`
 
 A call that raises, runs past `data.reward_timeout_s` or returns a non-number (None, a string, NaN) scores 0; more
 than `data.reward_failure_limit` of them in one batch stop the run with `RewardFailureError` (`scoring`).
+
+`remote` scores with a reward service over HTTP, batched; its JSON contract and time limits are in `remote`.
 """
 
 from megatron_rl.rollout.rewards.math_rewards import (

@@ -1,7 +1,8 @@
 """The registry of reward names, loading rewards by dotted path, and the cheap built-ins.
 
-`register_reward(name, inline=True)` marks a reward that cannot hang (pure string checks): it is scored in the
-calling thread, with no worker process and no timeout. Every other reward runs in a killable worker process.
+`register_reward(name, inline=True)` marks a reward that cannot hang (pure string checks, or `remote`, whose every
+request has its own timeout and bounded retries): it is scored in the calling thread, with no worker process and no
+`data.reward_timeout_s`. Every other reward runs in a killable worker process.
 
 A reward may expose `fn.extract_answer(text) -> str | None`, its final answer in a canonical form (the key maj@k
 votes on; None: no answer); `RewardSet.extract_answer` documents the call.
@@ -59,3 +60,4 @@ exact_match.extract_answer = stripped_answer
 
 register_reward("synthetic", inline=True)("megatron_rl.rollout.tasks.synthetic_task:synthetic_reward")
 register_reward("synthetic_tool", inline=True)("megatron_rl.rollout.tasks.synthetic_tool_task:tool_task_reward")
+register_reward("remote", inline=True)("megatron_rl.rollout.rewards.remote:remote")

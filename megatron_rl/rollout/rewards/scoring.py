@@ -385,7 +385,8 @@ def _failure_message(
 ) -> str:
     i, first = failures[0]
     prompt = samples[i].metadata.get("prompt", "")
-    slow = "raise data.reward_timeout_s, " if any(f.timed_out for _, f in failures) else ""
+    # An inline reward's timeouts are its own (remote: options.timeout_s), not data.reward_timeout_s.
+    slow = "raise data.reward_timeout_s, " if part.runner != "inline" and any(f.timed_out for _, f in failures) else ""
     return (
         f"reward {part.label!r} failed on {len(failures)} of {n} samples of a batch (raised, timed out or returned a "
         f"non-number), more than data.reward_failure_limit={limit:g}; the first: {_one_line(first.message, 200)} on "

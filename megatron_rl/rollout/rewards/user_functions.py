@@ -10,6 +10,11 @@
   (`metadata["prompt"]`) and a completion the response text. A function without ``**kwargs``
   receives only the arguments it names. It is called once per batch (as TRL does), and `data.reward_timeout_s`
   limits that call. TRL's `trainer_state` is not passed. An entry of None counts as a failure here (TRL skips it).
+  Beyond TRL: a function that names a `prompt_texts` parameter also gets the prompts as the model saw them (chat
+  template applied: `metadata["prompt"]`), and an entry may be a `Failure` (that sample's call failed, with why).
+
+A reward may expose `fn.validate_options(options)`: it raises ValueError naming a bad option and its fix, and is
+called when the run's plugins are checked and when the reward is built (`check_options`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from megatron_rl.rollout.sample import Sample
 
 Style = Literal["sample", "batched"]
 BATCHED_NAMES = ("prompts", "completions", "completion_ids")
+NAMED_ONLY = ("prompt_texts",)  # passed only to a function that names it (TRL's functions do not expect it)
 NOT_COLUMNS = ("prompt", "prompt_messages")  # metadata keys that are not dataset columns for TRL
 
 
@@ -69,7 +75,9 @@ def run_task(task: RewardTask) -> Outcome:
 
 
 def checked_value(value: object) -> float | Failure:
-    """`value` as a float, or a Failure naming what it is (None, a string, NaN, ...)."""
+    """`value` as a float, or a Failure naming what it is (None, a string, NaN, ...); a Failure stays one."""
+    if isinstance(value, Failure):
+        return value
     if isinstance(value, numbers.Real) or (hasattr(type(value), "__float__") and not isinstance(value, (str, bytes))):
         try:
             number = float(value)  # type: ignore[arg-type]
@@ -102,7 +110,8 @@ def reward_style(fn: Callable[..., Any], name: str) -> Style:
 
 
 def check_options(fn: Callable[..., Any], style: Style, options: Mapping[str, Any], name: str) -> None:
-    """A ValueError when `fn` does not accept the keyword `options` of `data.reward`."""
+    """A ValueError when `fn` does not accept the keyword `options` of `data.reward`, or its `validate_options`
+    refuses them."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -114,9 +123,15 @@ def check_options(fn: Callable[..., Any], style: Style, options: Mapping[str, An
             signature.bind_partial(**options)
     except TypeError as err:
         raise ValueError(f"reward {name!r} does not accept the options {dict(options)}: {err}") from err
-    clash = sorted(set(options) & set(BATCHED_NAMES)) if style == "batched" else []
+    clash = sorted(set(options) & {*BATCHED_NAMES, *NAMED_ONLY}) if style == "batched" else []
     if clash:
         raise ValueError(f"reward {name!r}: the options {clash} are the names of TRL's arguments; rename them")
+    validate = getattr(fn, "validate_options", None)
+    if callable(validate):
+        try:
+            validate(dict(options))
+        except ValueError as err:
+            raise ValueError(f"reward {name!r}: {err}") from err
 
 
 def call_reward(task: RewardTask) -> list:
@@ -150,6 +165,8 @@ def trl_arguments(
     if answer_column and "." not in answer_column and answer_column not in arguments and "answer" in arguments:
         arguments[answer_column] = arguments["answer"]
     signature = inspect.signature(fn)
+    if "prompt_texts" in signature.parameters:
+        arguments["prompt_texts"] = [m.get("prompt") for m in metadata]
     if not _takes_kwargs(signature):
         arguments = {k: v for k, v in arguments.items() if k in signature.parameters}
     return arguments
