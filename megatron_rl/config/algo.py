@@ -20,8 +20,13 @@ class DistillConfig:
 
     teacher: str | None = setting(
         None,
-        help="HF checkpoint of the teacher (its tokenizer must be the student's); null = no distillation. It runs "
-        "in the actor's parallel layout, swapped in like the KL reference, so it has the student's architecture",
+        help="HF checkpoint of the teacher (its tokenizer must be the student's); null = no distillation",
+    )
+    served_by: Literal["megatron", "local_engine"] = setting(
+        "megatron",
+        help="megatron = a frozen Megatron model in the trainer, in the actor's layout, swapped in like the KL "
+        "reference (the student's architecture); local_engine = a transformers model on rank 0 (any family or size "
+        "the local engine loads) that scores each rollout batch as it is collected",
     )
     coef: float = setting(1.0, help="weight of the distillation advantage: A = A_task + coef * A_distill", gt=0)
     task_rewards: bool = setting(

@@ -24,14 +24,16 @@ class PromptData:
         *,
         seed: int,
         tokenizer: Any,
+        teacher: Any = None,
     ):
         """The sections it reads: `data` (datasets, keys, rewards), `rollout` (sampling, environments), `algo`
         (dynamic sampling, overlong shaping, R3 routes), `warmup` (the SFT examples); `seed`: the run's
-        (`trainer.seed`)."""
+        (`trainer.seed`); `teacher`: an engine that scores each training batch for distillation
+        (`teacher_scores`)."""
         from megatron_rl.rollout.rewards import build_reward
 
         self.data, self.rollout, self.algo, self.warmup, self.seed = data, rollout, algo, warmup, seed
-        self.tokenizer = tokenizer
+        self.tokenizer, self.teacher = tokenizer, teacher
         self.reward_fn = build_reward(data)  # a RewardSet: the weighted rewards, timeouts, failure limit
         self.task = None
         self.train_iter: Any = None  # a PromptIterator (one dataset) or a Mixture of them (data.train: [...])
@@ -77,7 +79,7 @@ class PromptData:
                 filter_truncated=algo.overlong_filter,
                 count_prompt=multi_turn,
             )
-        return collect_batch(
+        batch = collect_batch(
             engine,
             self.stream,
             rollout.n_samples,
@@ -92,6 +94,11 @@ class PromptData:
             return_routed_experts=algo.routing_replay == "R3",
             generate=self.generate,
         )
+        if self.teacher is not None:
+            from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
+
+            add_teacher_log_probs(self.teacher, batch.samples)
+        return batch
 
     def eval_prompts(self, name: str) -> list[Any]:
         """The prompts of the evaluation dataset `name` (`data.eval`)."""

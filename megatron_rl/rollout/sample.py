@@ -31,6 +31,7 @@ class Sample:
     exclude_from_loss: bool = False  # train on nothing of this sample (DAPO overlong filtering of truncated ones)
     loss_mask: list[int] | None = None  # per response token, 1 = trained (None: all); 0 on multi-turn observations
     reward_parts: dict[str, float] = field(default_factory=dict)  # each named reward's unweighted value
+    teacher_log_probs: list[float] | None = None  # distillation: log p_teacher(tokens[t] | tokens[:t]), t >= 1
 
     @property
     def tokens(self) -> list[int]:

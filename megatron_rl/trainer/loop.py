@@ -31,7 +31,7 @@ from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoin
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
-from megatron_rl.models.architecture import check_same_architecture, max_positions, model_dims
+from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
@@ -41,7 +41,7 @@ from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard, FidelityStop
-from megatron_rl.trainer.guards.input_guards import check_positions, check_same_tokenizer, check_tokenizer
+from megatron_rl.trainer.guards.input_guards import check_positions, check_teacher, check_tokenizer
 from megatron_rl.trainer.guards.stop_signals import StopSignals
 from megatron_rl.trainer.guards.sync_verification import build_verifier
 from megatron_rl.trainer.logs import run_dir
@@ -60,6 +60,7 @@ from megatron_rl.trainer.rollout_phase import (
     collect_rollout,
     engine_run,
     prompt_data,
+    teacher_engine,
 )
 from megatron_rl.trainer.run_state import RunState
 from megatron_rl.trainer.step_metrics import StepClock, training_metrics
@@ -185,7 +186,7 @@ def _run(
     parts = replace(
         parts,
         reference=_reference(cfg, parts.actor, model_dir, plan.output_dir / WARMUP_MODEL),
-        teacher=reference_from_hf(parts.actor, cfg.algo.distill.teacher) if cfg.algo.distill.teacher else None,
+        teacher=_teacher_weights(cfg, parts.actor),
     )
     _first_sync(parts, state)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
@@ -247,7 +248,8 @@ def _build_parts(
     run log (metrics, plots, samples; its last row restored on a resume)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     check_teacher(cfg, tokenizer)
-    data = prompt_data(cfg, tokenizer)  # before the model build: the sequences must fit the model's positions
+    teacher = teacher_engine(cfg, closing) if dist.get_rank() == 0 else None  # distillation by a local engine
+    data = prompt_data(cfg, tokenizer, teacher)  # before the model build: the sequences must fit the model's positions
     positions = max_positions(read_hf_config(model_dir))
     check_positions(cfg, data, positions)
     if cfg.warmup.sft_steps > 0:  # the SFT rows are read, and a bad or too long one refused, before the model build
@@ -332,6 +334,12 @@ def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: 
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 
+def _teacher_weights(cfg: RLConfig, actor: MegatronActor) -> ReferenceWeights | None:
+    """The distillation teacher served by Megatron (`algo.distill.served_by: megatron`): its shard on the host."""
+    distill = cfg.algo.distill
+    return reference_from_hf(actor, distill.teacher) if distill.teacher and distill.served_by == "megatron" else None
+
+
 def _first_sync(parts: StepParts, state: RunState) -> None:
     """The engine gets the policy RL starts (or continues) from."""
     parts.memory.for_training()  # before the first sync: the engine's launch weights are replaced anyway
@@ -407,7 +415,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
         entropy = score_old_and_reference(p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher)
-        distilled = distill_advantages(cfg.algo.distill, rank.batch) if p.teacher is not None else {}
+        distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     with clock("time/train"):
@@ -470,17 +478,3 @@ def load_tokenizer(cfg: RLConfig, model_vocab: int) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path)
     check_tokenizer(tokenizer, path, cfg.model.hf_path, model_vocab)
     return tokenizer
-
-
-def check_teacher(cfg: RLConfig, tokenizer: Any) -> None:
-    """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer or architecture is not the
-    student's, before the model build: it is swapped into the student's model, as the KL reference is."""
-    path = cfg.algo.distill.teacher
-    if path is None:
-        return
-    from transformers import AutoTokenizer
-
-    student = cfg.model.tokenizer_path or cfg.model.hf_path
-    check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), student, path)
-    where = f"algo.distill.teacher={path} (a teacher runs in the student's model, so it needs its architecture)"
-    check_same_architecture(read_hf_config(cfg.model.hf_path), read_hf_config(path), where)

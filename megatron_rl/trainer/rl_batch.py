@@ -24,7 +24,8 @@ def step_advantages(algo: Any, rewards: list[float], group_size: int) -> torch.T
 
 def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_routes: bool = False) -> TokenBatch:
     """Fields: `advantages` (per sample, broadcast over its tokens), `rollout_log_probs` (the engine's),
-    `loss_mask` (response tokens, zero for samples excluded from the loss). With `with_routes`, the
+    `loss_mask` (response tokens, zero for samples excluded from the loss), `teacher_log_probs` (position t: token
+    t given tokens[:t]) when the samples carry an engine-served teacher's scores. With `with_routes`, the
     samples' `routed_experts` (SGLang layout) become `batch.routes`; the last position gets dummy
     experts, as it is never fed in SGLang's layout and its output never reaches a log-prob."""
     if not samples:
@@ -57,6 +58,13 @@ def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_ro
         "rollout_log_probs": rollout_logp,
         "loss_mask": loss_mask,
     }
+    if any(s.teacher_log_probs is not None for s in samples):  # distillation by an engine-served teacher
+        teacher = torch.zeros(b, longest)
+        for i, s in enumerate(samples):
+            if s.teacher_log_probs is None:
+                raise ValueError(f"sample {i} has no teacher_log_probs but others of its batch do")
+            teacher[i, 1 : lengths[i]] = torch.tensor(s.teacher_log_probs, dtype=torch.float32)
+        fields["teacher_log_probs"] = teacher
     return TokenBatch(
         input_ids=ids,
         lengths=torch.tensor(lengths),

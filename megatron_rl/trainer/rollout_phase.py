@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
+from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object
 from megatron_rl.rollout.data import PromptData
 from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
-from megatron_rl.rollout.engines.engine_factory import EngineRun
+from megatron_rl.rollout.engines.engine_factory import EngineRun, build_engine
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
@@ -176,9 +178,25 @@ class WeightSync:
         return self.verifier.pop_metrics() if self.verifier is not None else {}
 
 
-def prompt_data(cfg: Any, tokenizer: Any) -> PromptData:
-    """The run's prompts (`rollout.data.PromptData`) from the sections of `cfg` (an `RLConfig`) they read."""
-    return PromptData(cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer)
+def prompt_data(cfg: Any, tokenizer: Any, teacher: RolloutEngine | None = None) -> PromptData:
+    """The run's prompts (`rollout.data.PromptData`) from the sections of `cfg` (an `RLConfig`) they read; with an
+    engine-served distillation `teacher`, it scores each training batch."""
+    return PromptData(
+        cfg.data, cfg.rollout, cfg.algo, cfg.warmup, seed=cfg.trainer.seed, tokenizer=tokenizer, teacher=teacher
+    )
+
+
+def teacher_engine(cfg: Any, closing: ExitStack) -> RolloutEngine | None:
+    """Rank 0: the distillation teacher served by a local engine (`algo.distill.served_by: local_engine`), never
+    sent weights; it scores each training batch as it is collected (`rollout/teacher_scores.py`)."""
+    distill = cfg.algo.distill
+    if not distill.teacher or distill.served_by != "local_engine":
+        return None
+    run = EngineRun(str(Path(cfg.trainer.output_dir) / "teacher"))
+    local = dataclasses.replace(cfg.rollout, engine="local")
+    engine = build_engine(local, run, Path(distill.teacher), platform.device())
+    closing.callback(engine.shutdown)
+    return engine
 
 
 def engine_run(cfg: Any) -> EngineRun:

@@ -106,3 +106,46 @@ def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl_and_the_task_advan
         same = [k for k in a if not k.startswith(("time/", "perf/")) and k != "actor/ppo_kl_first_checked"]
         assert {"actor/pg_loss", "actor/grad_norm", "mismatch/logp_abs_diff"} <= set(same)
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
+def test_a_local_engine_teacher_of_another_size_scores_the_samples_as_transformers_does(tmp_path: Path) -> None:
+    """`served_by: local_engine`: any model the local engine loads (here 3 layers for a 2-layer student) scores
+    each sample's tokens in one prefill; the log-probs travel with the samples into the batch's
+    `teacher_log_probs` (position t: token t given tokens[:t])."""
+    from megatron_rl.rollout.engines.local_engine import LocalEngine
+    from megatron_rl.rollout.sample import Sample
+    from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
+    from megatron_rl.trainer.rl_batch import samples_to_batch
+
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=2)
+    rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
+    samples = [Sample(prompt_ids=r["input_ids"][: r["response_start"]],
+                      response_ids=r["input_ids"][r["response_start"] :],
+                      response_log_probs=[0.0] * (len(r["input_ids"]) - r["response_start"]), finish_reason="stop",
+                      weight_version="step-0") for r in rows]  # fmt: skip
+    engine = LocalEngine(teacher, device=torch.device("cpu"), weight_version="step-0")
+    try:
+        add_teacher_log_probs(engine, samples)
+    finally:
+        engine.shutdown()
+    batch = samples_to_batch(samples, advantages=torch.zeros(len(samples)))
+    for i, reference in enumerate(hf_score(teacher, rows)):
+        start, end = rows[i]["response_start"], len(rows[i]["input_ids"])
+        got = batch.fields["teacher_log_probs"][i, start:end].double()
+        assert (got - reference["log_probs"]).abs().max() < TEACHER_TOL
+
+
+def test_a_local_engine_teacher_distils_in_the_loop(tmp_path: Path) -> None:
+    """The student as its own local-engine teacher: at the first step the reverse KL is the trainer-vs-transformers
+    rounding (fp32, < 1e-4; the teacher keeps the initial weights while the student moves); a teacher of another
+    size (3 layers) is accepted and its reverse KL is far from 0."""
+    model = make_tiny_qwen3_moe(tmp_path / "model", seed=1)
+    bigger = make_tiny_qwen3_moe(tmp_path / "bigger", TinyQwen3MoeSpec(num_hidden_layers=3), seed=2)
+    served = "algo.distill.served_by=local_engine"
+    for name, teacher in (("self", model), ("bigger", bigger)):
+        proc = _train(tmp_path / name, model, f"algo.distill.teacher={teacher}", served)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    kl = {name: [json.loads(line)["distill/reverse_kl"] for line in (tmp_path / name / "metrics.jsonl").open()]
+          for name in ("self", "bigger")}  # fmt: skip
+    assert len(kl["self"]) == 2 and abs(kl["self"][0]) < 1e-4, kl
+    assert all(v > 0.1 for v in kl["bigger"]), kl

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import RLConfig
+from megatron_rl.models.architecture import check_same_architecture
+from megatron_rl.models.hf_config import read_hf_config
 
 SPECIAL_TOKENS = ("eos", "bos", "pad")
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -130,3 +132,19 @@ def check_same_tokenizer(student: Any, teacher: Any, student_path: str | Path, t
             f"algo.distill.teacher={teacher_path}: its tokenizer is not the student's ({student_path}): {problem}; "
             "on-policy distillation scores the student's token ids, so both must use one tokenizer"
         )
+
+
+def check_teacher(cfg: RLConfig, tokenizer: Any) -> None:
+    """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer or architecture is not the
+    student's, before the model build: it is swapped into the student's model, as the KL reference is."""
+    path = cfg.algo.distill.teacher
+    if path is None:
+        return
+    from transformers import AutoTokenizer
+
+    student = cfg.model.tokenizer_path or cfg.model.hf_path
+    check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), student, path)
+    if cfg.algo.distill.served_by != "megatron":
+        return
+    where = f"algo.distill.teacher={path} (a teacher runs in the student's model, so it needs its architecture)"
+    check_same_architecture(read_hf_config(cfg.model.hf_path), read_hf_config(path), where)
