@@ -194,4 +194,5 @@ def test_the_rewards_listing_marks_the_rewards_with_an_extractor(capsys: pytest.
     marks = {line.split()[0]: line[column : column + 5].strip() for line in lines[1 : lines.index("")]}
     assert set(marks) == set(REWARD_FUNCTIONS)
     assert marks.pop("remote") == "no"  # the service's answer format is its own: nothing to vote on here
+    assert marks.pop("judge") == "no"  # so is the judge's
     assert set(marks.values()) == {"yes"}

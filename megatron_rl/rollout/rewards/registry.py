@@ -61,3 +61,4 @@ exact_match.extract_answer = stripped_answer
 register_reward("synthetic", inline=True)("megatron_rl.rollout.tasks.synthetic_task:synthetic_reward")
 register_reward("synthetic_tool", inline=True)("megatron_rl.rollout.tasks.synthetic_tool_task:tool_task_reward")
 register_reward("remote", inline=True)("megatron_rl.rollout.rewards.remote:remote")
+register_reward("judge", inline=True)("megatron_rl.rollout.rewards.judge:judge")
