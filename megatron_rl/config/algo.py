@@ -22,12 +22,19 @@ class DistillConfig:
         None,
         help="HF checkpoint of the teacher (its tokenizer must be the student's); null = no distillation",
     )
-    served_by: Literal["megatron", "local_engine"] = setting(
+    served_by: Literal["megatron", "local_engine", "sglang"] = setting(
         "megatron",
         help="megatron = a frozen Megatron model in the trainer, in the actor's layout, swapped in like the KL "
         "reference (the student's architecture); local_engine = a transformers model on rank 0 (any family or size "
-        "the local engine loads) that scores each rollout batch as it is collected",
+        "the local engine loads) that scores each rollout batch as it is collected; sglang = an SGLang server of the "
+        "teacher scoring each batch by prefill (return_logprob), never sent weights",
     )
+    sglang_urls: tuple[str, ...] = setting(
+        (),
+        help="served_by=sglang: running servers of the teacher (one, or a router: each URL scores the whole batch), "
+        "with rollout.sglang's API key; empty = launch one on sglang_port with rollout.sglang's settings",
+    )
+    sglang_port: int = setting(30200, help="served_by=sglang: port of the launched teacher server", ge=1, le=65535)
     coef: float = setting(1.0, help="weight of the distillation advantage: A = A_task + coef * A_distill", gt=0)
     task_rewards: bool = setting(
         True, help="keep the task rewards' advantage A_task; false = distillation alone (A = coef * A_distill)"

@@ -187,14 +187,21 @@ def prompt_data(cfg: Any, tokenizer: Any, teacher: RolloutEngine | None = None) 
 
 
 def teacher_engine(cfg: Any, closing: ExitStack) -> RolloutEngine | None:
-    """Rank 0: the distillation teacher served by a local engine (`algo.distill.served_by: local_engine`), never
-    sent weights; it scores each training batch as it is collected (`rollout/teacher_scores.py`)."""
+    """Rank 0: the distillation teacher served by an engine (`algo.distill.served_by`: a local engine, or SGLang
+    servers it connects to or launches), never sent weights; it scores each training batch as it is collected
+    (`rollout/teacher_scores.py`). None for a Megatron teacher or without distillation."""
     distill = cfg.algo.distill
-    if not distill.teacher or distill.served_by != "local_engine":
+    if not distill.teacher or distill.served_by == "megatron":
         return None
+    rollout = dataclasses.replace(cfg.rollout, engine="local", release_memory=False)  # it keeps its weights
+    if distill.served_by == "sglang":
+        sglang = dataclasses.replace(
+            cfg.rollout.sglang, urls=distill.sglang_urls, router_url="", num_servers=1, base_port=distill.sglang_port,
+            router=False,
+        )  # fmt: skip
+        rollout = dataclasses.replace(rollout, engine="sglang", sglang=sglang, weight_sync="tensor")
     run = EngineRun(str(Path(cfg.trainer.output_dir) / "teacher"))
-    local = dataclasses.replace(cfg.rollout, engine="local")
-    engine = build_engine(local, run, Path(distill.teacher), platform.device())
+    engine = build_engine(rollout, run, Path(distill.teacher), platform.device())
     closing.callback(engine.shutdown)
     return engine
 

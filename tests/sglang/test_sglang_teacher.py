@@ -1,0 +1,79 @@
+"""A distillation teacher served by a real SGLang server (`algo.distill.served_by: sglang`, CPU, test shims): its
+prefill log-probs of the samples' tokens agree with transformers' scores of the teacher checkpoint within this
+tier's fp32 tolerance, and a `megatron-rl train` run distils from it (the student on the local engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
+
+from megatron_rl.config import load_config
+from megatron_rl.rollout.sample import Sample
+from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
+from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
+from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
+from megatron_rl.trainer.rl_batch import samples_to_batch
+from megatron_rl.trainer.rollout_phase import teacher_engine
+from tests.hf_reference import hf_score, make_samples
+
+pytestmark = pytest.mark.sglang
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
+LOGPROB_ATOL = 2e-3  # fp32 torch_native attention vs transformers eager (test_sglang_server.py)
+
+
+@pytest.fixture(scope="module")
+def teacher_url(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
+    teacher = make_tiny_qwen3_moe(tmp_path_factory.mktemp("sgl_teacher") / "teacher", seed=7)
+    config = SGLangLaunchConfig(
+        model_path=str(teacher), python=sglang_py, extra_args=CPU_SERVER_ARGS, env=cpu_launch_env(),
+        log_dir=str(teacher.parent / "logs"), startup_timeout_s=240,
+    )  # fmt: skip
+    servers = SGLangServers.launch(config)
+    try:
+        yield teacher, servers.urls[0], f"rollout.sglang.api_key_file={servers.api_key_file}"
+    finally:
+        servers.stop()
+
+
+def test_the_sglang_teacher_scores_the_samples_as_transformers_scores_the_teacher(teacher_url, tmp_path: Path) -> None:
+    teacher, url, key = teacher_url
+    cfg = load_config(EXAMPLE, [f"trainer.output_dir={tmp_path}", f"algo.distill.teacher={teacher}",
+                                "algo.distill.served_by=sglang", f"algo.distill.sglang_urls=[{url}]", key])  # fmt: skip
+    rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
+    samples = [Sample(prompt_ids=r["input_ids"][: r["response_start"]],
+                      response_ids=r["input_ids"][r["response_start"] :],
+                      response_log_probs=[0.0] * (len(r["input_ids"]) - r["response_start"]), finish_reason="stop",
+                      weight_version="step-0") for r in rows]  # fmt: skip
+    with ExitStack() as closing:
+        engine = teacher_engine(cfg, closing)
+        assert engine is not None
+        add_teacher_log_probs(engine, samples)
+    batch = samples_to_batch(samples, advantages=torch.zeros(len(samples)))
+    for i, reference in enumerate(hf_score(teacher, rows)):
+        start, end = rows[i]["response_start"], len(rows[i]["input_ids"])
+        got = batch.fields["teacher_log_probs"][i, start:end].double()
+        assert (got - reference["log_probs"]).abs().max() < LOGPROB_ATOL
+
+
+def test_a_run_distils_from_an_sglang_teacher(teacher_url, tmp_path: Path) -> None:
+    teacher, url, key = teacher_url
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
+         f"model.hf_path={student}", "warmup.sft_steps=0", "trainer.steps=2", "data.eval=null", "data.eval_every=0",
+         "trainer.save_every=0", "logging.plot=false", f"algo.distill.teacher={teacher}",
+         "algo.distill.served_by=sglang", f"algo.distill.sglang_urls=[{url}]", key],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["distill/reverse_kl"] > 0.1 for r in rows)  # another model: far from 0
+    assert rows[0]["actor/ppo_kl_first"] == 0.0
