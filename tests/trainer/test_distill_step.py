@@ -149,3 +149,17 @@ def test_a_local_engine_teacher_distils_in_the_loop(tmp_path: Path) -> None:
           for name in ("self", "bigger")}  # fmt: skip
     assert len(kl["self"]) == 2 and abs(kl["self"][0]) < 1e-4, kl
     assert all(v > 0.1 for v in kl["bigger"]), kl
+
+
+def test_routing_replay_r3_works_unchanged_on_the_student_with_a_megatron_teacher(tmp_path: Path) -> None:
+    """The teacher routes its own tokens; the student replays the engine's routes (R3) in every pass as without
+    distillation: replay checks pass, the first update is exactly on-policy, routing metrics are logged."""
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", seed=2)
+    proc = _train(tmp_path / "run", student, f"algo.distill.teacher={teacher}", "algo.routing_replay=R3",
+                  "algo.replay_check=every_step")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["actor/ppo_kl_first"] == 0.0 and row["distill/reverse_kl"] > 0.1
+        assert row["routing/agreement"] >= 0.0
