@@ -220,6 +220,15 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
         )
     if cfg.algo.kl_coef > 0:
         notes.append("KL reference weights are swapped from host memory (no extra GPU memory)")
+    distill = cfg.algo.distill
+    if distill.teacher is not None:
+        notes.append({
+            "megatron": f"distillation teacher swapped from host memory like the KL reference: "
+            f"{memory.weights / GiB:.1f} GiB of host memory per GPU, no extra GPU memory",
+            "local_engine": "distillation teacher on the local engine: a second model on rank 0's GPU, not counted "
+            "above; prefer served_by=sglang at scale",
+            "sglang": "distillation teacher on its own SGLang servers (algo.distill.sglang_urls): not planned here",
+        }[distill.served_by])  # fmt: skip
     if cfg.trainer.mode == "async":
         k = cfg.trainer.max_staleness
         notes.append(

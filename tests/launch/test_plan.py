@@ -284,3 +284,18 @@ def test_async_plans_say_which_step_the_servers_generate() -> None:
     ) in plan.notes
     assert not any(note.startswith("async") for note in make_plan(_cfg("qwen3_235b_a22b_gspo_disaggregated.yaml"),
                    _hf(QWEN235B), ClusterSpec(20, 8, 80, rollout_nodes=4)).notes)  # fmt: skip
+
+
+def test_the_plan_says_where_a_distillation_teacher_lives() -> None:
+    """A Megatron teacher costs host memory per GPU equal to the actor's weights shard (the KL reference's rule)."""
+    cluster = ClusterSpec(2, 8, 80)
+    base = make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml"), _hf(QWEN30B), cluster)
+    notes = {}
+    for served in ("megatron", "local_engine", "sglang"):
+        distill = ("algo.distill.teacher=/teacher", f"algo.distill.served_by={served}")
+        cfg = _cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml", *distill)
+        plan = make_plan(cfg, _hf(QWEN30B), cluster)
+        (notes[served],) = [n for n in plan.notes if "distillation teacher" in n]
+        assert plan.memory == base.memory  # no GPU memory of the trainer's
+    assert f"{base.memory.weights / 2**30:.1f} GiB of host memory per GPU" in notes["megatron"]
+    assert "second model on rank 0's GPU" in notes["local_engine"] and "own SGLang servers" in notes["sglang"]
