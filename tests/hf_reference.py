@@ -59,3 +59,19 @@ def make_samples(vocab: int, n: int = 5, seed: int = 0) -> list[dict]:
         ids = torch.randint(4, vocab, (length,), generator=gen).tolist()
         samples.append({"input_ids": ids, "response_start": int(torch.randint(1, length, (1,), generator=gen))})
     return samples
+
+
+def as_samples(rows: list[dict]) -> list:
+    """`make_samples` rows as rollout `Sample`s (prompt = the tokens before `response_start`)."""
+    from megatron_rl.rollout.sample import Sample
+
+    return [
+        Sample(
+            prompt_ids=r["input_ids"][: r["response_start"]],
+            response_ids=r["input_ids"][r["response_start"] :],
+            response_log_probs=[0.0] * (len(r["input_ids"]) - r["response_start"]),
+            finish_reason="stop",
+            weight_version="step-0",
+        )
+        for r in rows
+    ]

@@ -61,6 +61,12 @@ def distill_advantages(distill: DistillConfig, batch: TokenBatch) -> dict[str, f
     """Collective. Rewrite `batch`'s `advantages` (the task's, per sample) as eq. (2) from its `teacher_log_probs`
     and `old_log_probs`; the step's `distill/teacher_logp_mean` and `distill/reverse_kl` (the mean of
     log π_old − log π_teacher, an estimate of KL(π_old ‖ π_teacher)) over every rank's trained tokens."""
+    if "teacher_log_probs" not in batch.fields:  # an engine teacher scores batches as they are collected
+        raise RuntimeError(
+            f"algo.distill.teacher is set (served_by={distill.served_by}) but this step's samples carry no teacher "
+            "log-probs: they were generated before the teacher was configured (an async run's queued batch?); "
+            "resume with the configuration that generated them"
+        )
     mask = batch.fields["loss_mask"]
     teacher, old = batch.fields["teacher_log_probs"], batch.fields["old_log_probs"]
     batch.fields["advantages"] = mixed_advantages(

@@ -15,13 +15,12 @@ import torch
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_launch_env
 
 from megatron_rl.config import load_config
-from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
 from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rollout_phase import teacher_engine
-from tests.hf_reference import hf_score, make_samples
+from tests.hf_reference import as_samples, hf_score, make_samples
 
 pytestmark = pytest.mark.sglang
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
@@ -47,10 +46,7 @@ def test_the_sglang_teacher_scores_the_samples_as_transformers_scores_the_teache
     cfg = load_config(EXAMPLE, [f"trainer.output_dir={tmp_path}", f"algo.distill.teacher={teacher}",
                                 "algo.distill.served_by=sglang", f"algo.distill.sglang_urls=[{url}]", key])  # fmt: skip
     rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
-    samples = [Sample(prompt_ids=r["input_ids"][: r["response_start"]],
-                      response_ids=r["input_ids"][r["response_start"] :],
-                      response_log_probs=[0.0] * (len(r["input_ids"]) - r["response_start"]), finish_reason="stop",
-                      weight_version="step-0") for r in rows]  # fmt: skip
+    samples = as_samples(rows)
     with ExitStack() as closing:
         engine = teacher_engine(cfg, closing)
         assert engine is not None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
-from tests.hf_reference import hf_score, make_samples
+from tests.hf_reference import as_samples, hf_score, make_samples
 from tests.megatron_backend.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.shared_runs import EXAMPLE
 
@@ -113,16 +113,12 @@ def test_a_local_engine_teacher_of_another_size_scores_the_samples_as_transforme
     each sample's tokens in one prefill; the log-probs travel with the samples into the batch's
     `teacher_log_probs` (position t: token t given tokens[:t])."""
     from megatron_rl.rollout.engines.local_engine import LocalEngine
-    from megatron_rl.rollout.sample import Sample
     from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
     from megatron_rl.trainer.rl_batch import samples_to_batch
 
     teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=2)
     rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
-    samples = [Sample(prompt_ids=r["input_ids"][: r["response_start"]],
-                      response_ids=r["input_ids"][r["response_start"] :],
-                      response_log_probs=[0.0] * (len(r["input_ids"]) - r["response_start"]), finish_reason="stop",
-                      weight_version="step-0") for r in rows]  # fmt: skip
+    samples = as_samples(rows)
     engine = LocalEngine(teacher, device=torch.device("cpu"), weight_version="step-0")
     try:
         add_teacher_log_probs(engine, samples)
@@ -163,3 +159,14 @@ def test_routing_replay_r3_works_unchanged_on_the_student_with_a_megatron_teache
     for row in rows:
         assert row["actor/ppo_kl_first"] == 0.0 and row["distill/reverse_kl"] > 0.1
         assert row["routing/agreement"] >= 0.0
+
+
+def test_a_batch_without_the_teacher_scores_stops_with_a_message() -> None:
+    from megatron_rl.config.algo import DistillConfig
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+    from megatron_rl.trainer.old_policy_scores import distill_advantages
+
+    batch = TokenBatch(torch.ones(2, 4, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([1, 1]))
+    batch.fields.update(loss_mask=torch.ones(2, 4), old_log_probs=torch.zeros(2, 4), advantages=torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="carry no teacher log-probs"):
+        distill_advantages(DistillConfig(teacher="/t", served_by="local_engine"), batch)
