@@ -247,10 +247,11 @@ def _build_parts(
     """The step's parts, the state to continue from (step, warm-up done, data position, metrics row) and rank 0's
     run log (metrics, plots, samples; its last row restored on a resume)."""
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
-    check_teacher(cfg, tokenizer)
+    hf = read_hf_config(model_dir)
+    check_teacher(cfg, tokenizer, hf)
     teacher = teacher_engine(cfg, closing) if dist.get_rank() == 0 else None  # distillation by a local engine
     data = prompt_data(cfg, tokenizer, teacher)  # before the model build: the sequences must fit the model's positions
-    positions = max_positions(read_hf_config(model_dir))
+    positions = max_positions(hf)
     check_positions(cfg, data, positions)
     if cfg.warmup.sft_steps > 0:  # the SFT rows are read, and a bad or too long one refused, before the model build
         check_warmup_data(data.sft_source(), positions)

@@ -101,13 +101,12 @@ def judge(
             replies = list(pool.map(lambda r: server.ask(r, max_new_tokens, temperature), requests))
     rewards: list[float | Failure] = []
     for reply in replies:
-        value = None if isinstance(reply, Failure) else parse_verdict(reply, verdict, max_score)
         if isinstance(reply, Failure):
             rewards.append(reply)
-        elif value is None:
-            rewards.append(Failure(f"the judge's reply has no {verdict} verdict: {reply[-200:]!r}"))
-        else:
-            rewards.append(value)
+            continue
+        value = parse_verdict(reply, verdict, max_score)
+        unreadable = Failure(f"the judge's reply has no {verdict} verdict: {reply[-200:]!r}")
+        rewards.append(unreadable if value is None else value)
     return rewards
 
 

@@ -134,7 +134,7 @@ def check_same_tokenizer(student: Any, teacher: Any, student_path: str | Path, t
         )
 
 
-def check_teacher(cfg: RLConfig, tokenizer: Any) -> None:
+def check_teacher(cfg: RLConfig, tokenizer: Any, student_hf: dict[str, Any]) -> None:
     """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer or architecture is not the
     student's, before the model build: it is swapped into the student's model, as the KL reference is."""
     path = cfg.algo.distill.teacher
@@ -147,4 +147,4 @@ def check_teacher(cfg: RLConfig, tokenizer: Any) -> None:
     if cfg.algo.distill.served_by != "megatron":
         return
     where = f"algo.distill.teacher={path} (a teacher runs in the student's model, so it needs its architecture)"
-    check_same_architecture(read_hf_config(cfg.model.hf_path), read_hf_config(path), where)
+    check_same_architecture(student_hf, read_hf_config(path), where)
