@@ -14,6 +14,16 @@ advantage:
     A_t = [task_rewards] · A_task + coef · A_distill_t                                     (2)
 
 Tokens outside the loss mask (prompts, multi-turn observations, padding) get 0.
+
+Top-k distillation (``distill.top_k``; miles' top-k OPD) adds a loss term: at each position the teacher returns
+its k most likely ids ``V_t`` and their log-probs; renormalised over ``V_t`` they give ``p̃_T``, and the term is the
+forward KL of the student, taken at those ids, to it:
+
+    L_topk_t = Σ_{v ∈ V_t} p̃_T(v) · (log p̃_T(v) − log π_θ(v | y_<t))                     (3)
+
+with ``log π_θ`` the student's full log-softmax (not renormalised), so the gradient also moves the student's mass
+from outside ``V_t`` into it; (3) is ≥ 0 and 0 only when the student puts all its mass on ``V_t`` in the teacher's
+proportions.
 """
 
 from __future__ import annotations
@@ -48,3 +58,11 @@ def sequence_mean(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     deviation = torch.where(valid, advantages - first, torch.zeros_like(advantages)).sum(-1, keepdim=True)
     mean = first + deviation / count.clamp_min(1)
     return torch.where(count > 0, mean, torch.zeros_like(mean)).expand_as(advantages)
+
+
+def topk_kl(teacher_topk_log_probs: torch.Tensor, student_topk_log_probs: torch.Tensor) -> torch.Tensor:
+    """Eq. (3): ``[n, T]`` from the teacher's top-k log-probs and the student's log-probs at the same ids
+    (``[n, T, k]`` each)."""
+    dtype = torch.promote_types(teacher_topk_log_probs.dtype, torch.float32)
+    teacher = torch.log_softmax(teacher_topk_log_probs.to(dtype), dim=-1)  # renormalised over the k ids
+    return (teacher.exp() * (teacher - student_topk_log_probs)).sum(-1)

@@ -35,7 +35,16 @@ class DistillConfig:
         "with rollout.sglang's API key; empty = launch one on sglang_port with rollout.sglang's settings",
     )
     sglang_port: int = setting(30200, help="served_by=sglang: port of the launched teacher server", ge=1, le=65535)
-    coef: float = setting(1.0, help="weight of the distillation advantage: A = A_task + coef * A_distill", gt=0)
+    coef: float = setting(
+        1.0, help="weight of the distillation advantage: A = A_task + coef * A_distill (0 = top-k term alone)", ge=0
+    )
+    top_k: int = setting(
+        0,
+        help="top-k distillation: the teacher also returns its top_k log-probs per position and the loss gains "
+        "top_k_coef * KL(teacher's top-k renormalised || student at those ids); 0 = off",
+        ge=0,
+    )
+    top_k_coef: float = setting(1.0, help="weight of the top-k distillation loss term", ge=0)
     task_rewards: bool = setting(
         True, help="keep the task rewards' advantage A_task; false = distillation alone (A = coef * A_distill)"
     )

@@ -166,6 +166,11 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             "algo.dynamic_sampling drops groups by their task rewards, which algo.distill.task_rewards=false leaves "
             "out of the advantage: set algo.dynamic_sampling=false"
         )
+    if distill.teacher is not None and distill.coef == 0 and (distill.top_k == 0 or distill.top_k_coef == 0):
+        errors.append(
+            "algo.distill.coef=0 without a top-k term (algo.distill.top_k and top_k_coef > 0) leaves the teacher "
+            "unused: set coef > 0, or top_k > 0"
+        )
     if distill.teacher is not None:
         notes.append(
             f"algo.distill.teacher={distill.teacher}: its weights are kept on the host and swapped into the actor to "

@@ -97,7 +97,7 @@ class PromptData:
         if self.teacher is not None:
             from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
 
-            add_teacher_log_probs(self.teacher, batch.samples)
+            add_teacher_log_probs(self.teacher, batch.samples, top_k=self.algo.distill.top_k)
         return batch
 
     def eval_prompts(self, name: str) -> list[Any]:

@@ -22,6 +22,8 @@ class ServedScores:
     version: str  # the weight version the replica itself reports holding
     dtype: str  # the dtype it computes in ("float32", "bfloat16", ...)
     log_probs: list[list[float]]  # per prompt: log p(prompt[t] | prompt[:t]) for t >= 1, temperature 1
+    top_ids: list[list[list[int]]] | None = None  # score_prompts(top_k=k): per prompt, per t >= 1, the k likeliest
+    top_log_probs: list[list[list[float]]] | None = None  # ... and their log-probs, likeliest first
 
 
 class RolloutEngineError(RuntimeError):
@@ -44,8 +46,9 @@ class RolloutEngine(Protocol):
         """Load HF-named full tensors (streamed in buckets) and stamp later samples with `version`."""
         ...
 
-    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
-        """Prefill only: each replica's teacher-forced log-probs of `prompts` and the version it reports."""
+    def score_prompts(self, prompts: list[list[int]], top_k: int = 0) -> list[ServedScores]:
+        """Prefill only: each replica's teacher-forced log-probs of `prompts` (with `top_k`, also the `top_k` most
+        likely tokens at each position and their log-probs) and the version it reports."""
         ...
 
     def pause(self) -> None: ...

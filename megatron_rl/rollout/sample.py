@@ -32,6 +32,8 @@ class Sample:
     loss_mask: list[int] | None = None  # per response token, 1 = trained (None: all); 0 on multi-turn observations
     reward_parts: dict[str, float] = field(default_factory=dict)  # each named reward's unweighted value
     teacher_log_probs: list[float] | None = None  # distillation: log p_teacher(tokens[t] | tokens[:t]), t >= 1
+    teacher_topk_ids: list[list[int]] | None = None  # top-k distillation: the teacher's k likeliest ids at t >= 1
+    teacher_topk_log_probs: list[list[float]] | None = None  # ... and their log-probs
 
     @property
     def tokens(self) -> list[int]:

@@ -415,7 +415,10 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         rank = rank_batch(cfg, step, rollout, advantages, p.actor.dims)
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
-        entropy = score_old_and_reference(p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher)
+        entropy = score_old_and_reference(
+            p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
+            teacher_top_k=cfg.algo.distill.top_k,
+        )  # fmt: skip
         distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.

@@ -23,12 +23,13 @@ def score_old_and_reference(
     *,
     on_policy: bool = False,
     teacher: ReferenceWeights | None = None,
+    teacher_top_k: int = 0,
 ) -> torch.Tensor:
-    """Fill `old_log_probs` (with a KL reference `ref_log_probs`, with a distillation `teacher`
-    `teacher_log_probs`) of `rank.batch` (this rank's rows) on the micro-batches of the first update of each
-    mini-batch; the old policy's entropy. `on_policy`: the step's first
-    update scores its own mini-batch (`policy_updates.run_updates`), which is left at 0 here. With a reference
-    equal to the policy the KL is exactly 0."""
+    """Fill `old_log_probs` (with a KL reference `ref_log_probs`; with a distillation `teacher`
+    `teacher_log_probs`, and with `teacher_top_k` its top-k `teacher_topk_ids` / `teacher_topk_log_probs`) of
+    `rank.batch` (this rank's rows) on the micro-batches of the first update of each mini-batch; the old policy's
+    entropy. `on_policy`: the step's first update scores its own mini-batch (`policy_updates.run_updates`), which
+    is left at 0 here. With a reference equal to the policy the KL is exactly 0."""
     batch, rows, routes = rank.batch, rank.rows, rank.routes
     skip = rows.plan.updates()[0] if on_policy else None
     batch.fields["old_log_probs"] = torch.zeros_like(batch.fields["loss_mask"])
@@ -46,14 +47,24 @@ def score_old_and_reference(
             entropy[local] = scored.entropy
         if routes is not None:
             routes.after_scoring(rows.keys(m), scored, mb.lengths)
-    frozen = {"ref_log_probs": reference, "teacher_log_probs": teacher}
-    for field, weights in frozen.items():
+    frozen = {"ref_log_probs": (reference, 0), "teacher_log_probs": (teacher, teacher_top_k)}
+    for field, (weights, top_k) in frozen.items():
         if weights is None:
             continue
         batch.fields[field] = torch.zeros_like(batch.fields["loss_mask"])
+        if top_k:
+            n, s = batch.fields["loss_mask"].shape
+            batch.fields["teacher_topk_ids"] = torch.zeros(n, s, top_k, dtype=torch.long)
+            batch.fields["teacher_topk_log_probs"] = torch.zeros(n, s, top_k)
         with weights.swapped_in() as frozen_actor:  # routes itself: replay is the trained policy's
             for m in range(len(rows.plan.mini_batches)):
-                batch.fields[field][rows.local(m)] = frozen_actor.compute_log_probs(rows.mini_batch(batch, m)).log_probs
+                local = rows.local(m)
+                scored = frozen_actor.compute_log_probs(rows.mini_batch(batch, m), top_k=top_k)
+                batch.fields[field][local] = scored.log_probs
+                if top_k:
+                    assert scored.topk_ids is not None and scored.topk_log_probs is not None
+                    batch.fields["teacher_topk_ids"][local] = scored.topk_ids
+                    batch.fields["teacher_topk_log_probs"][local] = scored.topk_log_probs
     return entropy
 
 
@@ -66,6 +77,11 @@ def distill_advantages(distill: DistillConfig, batch: TokenBatch) -> dict[str, f
             f"algo.distill.teacher is set (served_by={distill.served_by}) but this step's samples carry no teacher "
             "log-probs: they were generated before the teacher was configured (an async run's queued batch?); "
             "resume with the configuration that generated them"
+        )
+    if distill.top_k and "teacher_topk_ids" not in batch.fields:
+        raise RuntimeError(
+            f"algo.distill.top_k={distill.top_k} but this step's samples carry no teacher top-k log-probs: they "
+            "were generated before top_k was configured; resume with the configuration that generated them"
         )
     mask = batch.fields["loss_mask"]
     teacher, old = batch.fields["teacher_log_probs"], batch.fields["old_log_probs"]

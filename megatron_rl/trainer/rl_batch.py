@@ -24,8 +24,8 @@ def step_advantages(algo: Any, rewards: list[float], group_size: int) -> torch.T
 
 def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_routes: bool = False) -> TokenBatch:
     """Fields: `advantages` (per sample, broadcast over its tokens), `rollout_log_probs` (the engine's),
-    `loss_mask` (response tokens, zero for samples excluded from the loss), `teacher_log_probs` (position t: token
-    t given tokens[:t]) when the samples carry an engine-served teacher's scores. With `with_routes`, the
+    `loss_mask` (response tokens, zero for samples excluded from the loss), the teacher's fields
+    (`_teacher_fields`) when the samples carry an engine-served teacher's scores. With `with_routes`, the
     samples' `routed_experts` (SGLang layout) become `batch.routes`; the last position gets dummy
     experts, as it is never fed in SGLang's layout and its output never reaches a log-prob."""
     if not samples:
@@ -58,13 +58,7 @@ def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_ro
         "rollout_log_probs": rollout_logp,
         "loss_mask": loss_mask,
     }
-    if any(s.teacher_log_probs is not None for s in samples):  # distillation by an engine-served teacher
-        teacher = torch.zeros(b, longest)
-        for i, s in enumerate(samples):
-            if s.teacher_log_probs is None:
-                raise ValueError(f"sample {i} has no teacher_log_probs but others of its batch do")
-            teacher[i, 1 : lengths[i]] = torch.tensor(s.teacher_log_probs, dtype=torch.float32)
-        fields["teacher_log_probs"] = teacher
+    fields.update(_teacher_fields(samples, longest))
     return TokenBatch(
         input_ids=ids,
         lengths=torch.tensor(lengths),
@@ -72,6 +66,25 @@ def samples_to_batch(samples: list[Sample], *, advantages: torch.Tensor, with_ro
         fields=fields,
         routes=routes,
     )
+
+
+def _teacher_fields(samples: list[Sample], longest: int) -> dict[str, torch.Tensor]:
+    """Distillation by an engine-served teacher: `teacher_log_probs` `[n, T]` and, with top-k, `teacher_topk_ids`
+    and `teacher_topk_log_probs` `[n, T, k]` (position t: token t given tokens[:t]); none without a teacher."""
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype in [("teacher_log_probs", torch.float32), ("teacher_topk_ids", torch.long),
+                        ("teacher_topk_log_probs", torch.float32)]:  # fmt: skip
+        rows = [getattr(s, name) for s in samples]
+        if all(r is None for r in rows):
+            continue
+        values = [torch.tensor(r, dtype=dtype) for r in rows if r is not None]
+        if len(values) < len(rows):
+            raise ValueError(f"sample {rows.index(None)} has no {name} but others of its batch do")
+        field = torch.zeros(len(rows), longest, *values[0].shape[1:], dtype=dtype)
+        for i, v in enumerate(values):
+            field[i, 1 : 1 + len(v)] = v
+        out[name] = field
+    return out
 
 
 def select(batch: TokenBatch, index: list[int]) -> TokenBatch:

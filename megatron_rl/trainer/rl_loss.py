@@ -1,4 +1,5 @@
-"""The RL loss handed to `MegatronActor.train_step`: policy loss + KL to reference + entropy bonus.
+"""The RL loss handed to `MegatronActor.train_step`: policy loss + KL to reference + entropy bonus (+ top-k
+distillation's KL to the teacher, `algorithms.distillation` eq. 3).
 
 Built once from `AlgoConfig`; per micro-batch it returns `(loss_sum, count, metrics)` where
 `loss_sum / count` is that micro-batch's aggregated loss, so Megatron's global normalisation (the sum
@@ -13,7 +14,7 @@ from typing import Literal, cast
 import torch
 
 from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, policy_loss, rollout_correction_weights
-from megatron_rl.algorithms.distillation import sequence_mean
+from megatron_rl.algorithms.distillation import sequence_mean, topk_kl
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
@@ -21,7 +22,10 @@ from megatron_rl.megatron_backend.actor.batch import LossFn, TokenBatch
 
 
 def build_rl_loss(algo: AlgoConfig) -> LossFn:
-    def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch):
+    distill = algo.distill
+    with_topk = distill.teacher is not None and distill.top_k > 0 and distill.top_k_coef > 0
+
+    def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: TokenBatch, topk_log_probs=None):
         device = log_probs.device
         mask = mb.fields["loss_mask"].to(device)
         old = mb.fields["old_log_probs"].to(device)
@@ -69,6 +73,15 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
             kl_loss = aggregate(kl, mask, algo.agg, norm=algo.agg_norm)
             loss = loss + algo.kl_coef * kl_loss
             out["actor/kl_ref"] = float(kl_loss.detach())
+        if with_topk:
+            if topk_log_probs is None:
+                raise RuntimeError(
+                    "algo.distill.top_k is set but this micro-batch carries no teacher top-k ids (teacher_topk_ids)"
+                )
+            teacher = mb.fields["teacher_topk_log_probs"].to(device)
+            topk_loss = aggregate(topk_kl(teacher, topk_log_probs), mask, algo.agg, norm=algo.agg_norm)
+            loss = loss + distill.top_k_coef * topk_loss
+            out["distill/topk_kl"] = float(topk_loss.detach())
         if entropy is not None:
             ent = aggregate(entropy, mask, algo.agg, norm=algo.agg_norm)
             out["actor/entropy"] = float(ent.detach())
@@ -76,8 +89,8 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
                 loss = loss - algo.entropy_coef * ent
         return _as_sum(loss, mask, algo.agg, real_rows=mb.size - mb.padding_rows), out
 
-    def with_count(log_probs, entropy, mb):
-        (loss_sum, count), out = loss_fn(log_probs, entropy, mb)
+    def with_count(log_probs, entropy, mb, **topk):
+        (loss_sum, count), out = loss_fn(log_probs, entropy, mb, **topk)
         return loss_sum, count, out
 
     return with_count

@@ -109,7 +109,7 @@ class NoEngine:
         for _ in buckets:
             pass
 
-    def score_prompts(self, prompts: list[list[int]]):
+    def score_prompts(self, prompts: list[list[int]], top_k: int = 0):
         raise RuntimeError("only rank 0 holds the rollout engine")
 
     def pause(self) -> None:

@@ -100,7 +100,8 @@ def scoring_metrics(batch: TokenBatch, entropy: torch.Tensor, *, received_bytes:
 
 
 def update_metrics(updates: list[dict[str, float]]) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """`(metrics, routing)`: the mean of the updates' metrics as `actor/*`, with the first update's `ppo_kl`
+    """`(metrics, routing)`: the mean of the updates' metrics as `actor/*` (the loss's `distill/*` as they are),
+    with the first update's `ppo_kl`
     (exactly 0 on-policy), the last update's grad norm and LR and the largest finite grad norm of them all
     (`actor/grad_norm_max`, what `trainer.stop_on` reads), and each update's `routing/*` entries apart. Updates
     skipped for a NaN/inf (`trainer.on_nonfinite=skip`) or a grad norm above `trainer.stop_on`'s skip threshold
@@ -118,7 +119,8 @@ def update_metrics(updates: list[dict[str, float]]) -> tuple[dict[str, float], l
     routing = [{k: u.pop(k) for k in list(u) if k.startswith("routing/")} for u in updates]
     keys = set().union(*updates)
     for k in keys:
-        metrics[k if k.startswith("actor/") else f"actor/{k}"] = sum(u.get(k, 0.0) for u in updates) / len(updates)
+        name = k if k.startswith(("actor/", "distill/")) else f"actor/{k}"
+        metrics[name] = sum(u.get(k, 0.0) for u in updates) / len(updates)
     metrics["actor/ppo_kl_first"] = updates[0].get("actor/ppo_kl", 0.0)
     metrics["actor/grad_norm"] = updates[-1]["grad_norm"]
     metrics["actor/lr"] = updates[-1]["lr"]

@@ -101,8 +101,10 @@ class TokenBatch:
         )
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, torch.Tensor, dict]]
-"""`loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`: the actor's loss contract."""
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]
+"""`loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`: the actor's loss contract; a
+micro-batch with a `teacher_topk_ids` field (`[b, s, k]`, top-k distillation) also passes `topk_log_probs=`, the
+policy's differentiable log-probs at those ids."""
 
 
 def _with_dummy_routes(routes: torch.Tensor, extra: int) -> torch.Tensor:

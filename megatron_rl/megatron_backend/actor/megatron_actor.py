@@ -6,10 +6,11 @@ forward-backward schedules (no pipelining, 1F1B, interleaved) over this rank's m
 (`micro_batches.py`), recording or replaying routes on request (`route_pass.py`). Log-probs and entropy
 are computed from vocab-parallel logits without gathering the vocabulary.
 
-Loss contract (`batch.LossFn`): `loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`,
-where `loss_sum` is a sum over this micro-batch and `count` (an int tensor: tokens or sequences) is
-its share of the normaliser. Megatron's per-token-loss mode then divides the gradients by the global
-count summed over micro-batches and data-parallel ranks, so the step minimises the exact global mean.
+Loss contract (`batch.LossFn`): `loss_fn(log_probs, entropy, micro_batch) -> (loss_sum, count, metrics)`
+(plus `topk_log_probs=`, the policy's log-probs at the micro-batch's `teacher_topk_ids`, when it has them),
+where `loss_sum` is a sum over this micro-batch and `count` (an int tensor: tokens or sequences) is its share
+of the normaliser. Megatron's per-token-loss mode then divides the gradients by the global count summed
+over micro-batches and data-parallel ranks, so the step minimises the exact global mean.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from megatron_rl.config.options import ModelOptions, OptimizerOptions
 from megatron_rl.kernels import next_token_logprobs_and_entropy
+from megatron_rl.kernels.topk_logprob import next_token_logprobs_at, next_token_topk
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor import training_setup
 from megatron_rl.megatron_backend.actor.batch import LossFn, TokenBatch
@@ -66,6 +68,8 @@ class ScoreResult:
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     routes: torch.Tensor | None = None  # recorded: [batch, seq, moe_layers, top_k]; row t = the token at t
+    topk_ids: torch.Tensor | None = None  # compute_log_probs(top_k=k): [batch, seq, k], most likely first
+    topk_log_probs: torch.Tensor | None = None  # their log-probs
     agreement: RouteAgreement | None = None  # replayed: the routes vs those the current weights would choose
 
 
@@ -254,7 +258,21 @@ class MegatronActor:
             logits, mb.model_tokens(), tp_group=self._groups["tp"], valid_vocab_size=self.dims.vocab_size,
             temperature=temperature, with_entropy=with_entropy, impl=self.model_options.logprob_impl,
         )  # fmt: skip
-        return mb.per_sample(logp), None if ent is None else mb.per_sample(ent)
+        return logp, ent
+
+    def _per_sample(self, mb: TokenBatch, *values: torch.Tensor | None) -> list[torch.Tensor | None]:
+        return [None if v is None else mb.per_sample(v) for v in values]
+
+    def _student_topk(self, mb: TokenBatch, logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor | None:
+        """Top-k distillation: the policy's log-probs `[b, s, k]` at the teacher's top-k ids of `mb` (field
+        `teacher_topk_ids`), differentiable; None when `mb` has none."""
+        ids = mb.fields.get("teacher_topk_ids")
+        if ids is None:
+            return None
+        packed = ids if mb.packing is None else mb.packing.pack(ids)
+        return mb.per_sample(
+            next_token_logprobs_at(logits, mb.model_tokens(), logp, packed, tp_group=self._groups["tp"])
+        )
 
     @torch.no_grad()
     def compute_log_probs(
@@ -265,48 +283,67 @@ class MegatronActor:
         route_mode: RouteMode = None,
         replay: ReplayChecks = FULL_CHECKS,
         temperature: float = 1.0,
+        top_k: int = 0,
     ) -> ScoreResult:
-        """Per-token log-probs (and entropy; recorded routes or the replay agreement, per `route_mode`) for
-        the whole batch, identical on every rank; for a batch with `dp_share` set (this rank's rows only), for
-        those rows, on this rank and its model-parallel peers (nothing is gathered over data-parallel ranks)."""
+        """Per-token log-probs (and entropy; recorded routes or the replay agreement, per `route_mode`; with
+        `top_k`, the `top_k` most likely next tokens and their log-probs at temperature 1) for the whole batch,
+        identical on every rank; for a batch with `dp_share` set (this rank's rows only), for those rows, on this
+        rank and its model-parallel peers (nothing is gathered over data-parallel ranks)."""
         self._check_resident("compute_log_probs")
+        if top_k and temperature != 1.0:
+            raise ValueError(f"top_k log-probs are taken at temperature 1, not {temperature}")
         self._set_training(False)
         plan = self._plan(batch)
-        results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        results: list[tuple[torch.Tensor | None, ...]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
             logp, ent = self._token_stats(mb, logits.float(), with_entropy, temperature)
+            top: tuple[torch.Tensor | None, ...] = (None, None)
+            if top_k:
+                top = next_token_topk(
+                    logits, mb.model_tokens(), logp, top_k, tp_group=self._groups["tp"],
+                    valid_vocab_size=self.dims.vocab_size,
+                )  # fmt: skip
             real = mb.size - mb.padding_rows
-            results.append((logp[:real].cpu(), None if ent is None else ent[:real].cpu()))
+            results.append(tuple(None if v is None else v[:real].cpu() for v in self._per_sample(mb, logp, ent, *top)))
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {}
 
         s = batch.input_ids.shape[1]
         _, routes, agreement = self._run(
             plan.batches, loss_func, forward_only=True, route_mode=route_mode, replay=replay, seq_len=s
         )
-        return self._scores(plan, batch, results, with_entropy, routes, agreement)
+        return self._scores(plan, batch, results, with_entropy, routes, agreement, top_k=top_k)
 
     def _scores(
         self,
         plan: RankPlan,
         batch: TokenBatch,
-        results: list[tuple[torch.Tensor, torch.Tensor | None]],
+        results: list[tuple[torch.Tensor | None, ...]],
         with_entropy: bool,
         routes: torch.Tensor | None = None,
         agreement: RouteAgreement | None = None,
+        *,
+        top_k: int = 0,
     ) -> ScoreResult:
-        """The micro-batches' per-row `results` (last pipeline stage) as `batch`'s rows on every stage."""
-        s, shard = batch.input_ids.shape[1], plan.shard
-        logp = stack_rows([lp for lp, _ in results], shard.size, s, self._groups["pp"])
-        entropies = [en for _, en in results if en is not None]
-        ent = stack_rows(entropies, shard.size, s, self._groups["pp"]) if with_entropy else None
+        """The micro-batches' per-row `results` (log-probs, entropy[, top-k ids, top-k log-probs]; last pipeline
+        stage) as `batch`'s rows on every stage."""
+        s, shard, pp = batch.input_ids.shape[1], plan.shard, self._groups["pp"]
+
+        def stacked(i: int, tail: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return stack_rows([r[i] for r in results], shard.size, s, pp, tail=tail, dtype=dtype)
+
         # Padding positions keep the routes they were actually given: replaying them reproduces the
         # recorded pass bitwise (expert GEMMs are not independent of the other tokens in the batch).
         valid = positions_below(shard.lengths, s)
-        logp = torch.where(valid, logp, 0.0)
-        ent = None if ent is None else torch.where(valid, ent, 0.0)
+        per_token = {"log_probs": stacked(0), "entropy": stacked(1) if with_entropy else None}
+        if top_k:
+            per_token["topk_ids"] = stacked(2, (top_k,), torch.long)
+            per_token["topk_log_probs"] = stacked(3, (top_k,))
+        for name, values in per_token.items():
+            if values is not None:
+                per_token[name] = torch.where(valid.view(*valid.shape, *[1] * (values.dim() - 2)), values, 0)
         rows = gather_rows(
-            {"log_probs": logp, "entropy": ent, "routes": routes}, plan.index, batch.size, self._groups["dp"],
+            {**per_token, "routes": routes}, plan.index, batch.size, self._groups["dp"],
             gather=batch.dp_share is None,
         )  # fmt: skip
         return ScoreResult(**rows, agreement=agreement)
@@ -392,15 +429,19 @@ class MegatronActor:
         plan = self._plan(batch)
         batches = plan.batches
 
-        kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        kept: list[tuple[torch.Tensor | None, ...]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
-            logp, ent = self._token_stats(mb, logits, with_entropy, 1.0)
+            packed_logp, packed_ent = self._token_stats(mb, logits, with_entropy, 1.0)
+            student_topk = self._student_topk(mb, logits, packed_logp)
+            logp, ent = self._per_sample(mb, packed_logp, packed_ent)
+            assert logp is not None
             if on_policy:
                 mb.fields["old_log_probs"] = logp.detach()
                 real = mb.size - mb.padding_rows
                 kept.append((logp.detach()[:real].cpu(), None if ent is None else ent.detach()[:real].cpu()))
-            loss_sum, count, metrics = loss_fn(logp, ent, mb)
+            extra = {} if student_topk is None else {"topk_log_probs": student_topk}
+            loss_sum, count, metrics = loss_fn(logp, ent, mb, **extra)
             count = count.to(torch.int).reshape(())
             metrics = {k: float(v) for k, v in metrics.items()}
             metrics["_count"] = int(count)

@@ -171,10 +171,18 @@ def broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:
     return tensor
 
 
-def stack_rows(per_micro_batch: list[torch.Tensor], rows: int, s: int, pp_group) -> torch.Tensor:
-    """`[rows, s]`: the micro-batches' per-row values (computed on the last pipeline stage) stacked in order,
-    cut or zero-padded to width `s`, on every stage."""
-    out = torch.zeros(rows, s)
+def stack_rows(
+    per_micro_batch: list[Any],
+    rows: int,
+    s: int,
+    pp_group,
+    *,
+    tail: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`[rows, s, *tail]`: the micro-batches' per-row values (computed on the last pipeline stage) stacked in
+    order, cut or zero-padded to width `s`, on every stage."""
+    out = torch.zeros(rows, s, *tail, dtype=dtype)
     if is_last_stage():
         row = 0
         for values in per_micro_batch:

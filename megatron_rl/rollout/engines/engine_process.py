@@ -117,9 +117,9 @@ class ProcessEngine:
                 child.wait(loading, timeout_s=self.control_timeout_s)
             self._version = child.wait(end, timeout_s=self.control_timeout_s)
 
-    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+    def score_prompts(self, prompts: list[list[int]], top_k: int = 0) -> list[ServedScores]:
         """The child engine's probe scores (`LocalEngine.score_prompts`)."""
-        return self._live().request("score_prompts", (prompts,), timeout_s=self.request_timeout_s)
+        return self._live().request("score_prompts", (prompts, top_k), timeout_s=self.request_timeout_s)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._call("release_memory", tags)

@@ -156,9 +156,10 @@ class LocalEngine:
         log("weights %s: %d tensors loaded, %d model parameters not updated", version, loaded, missing)
 
     @torch.inference_mode()
-    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
-        """Teacher-forced log-probs (temperature 1) of every prompt's tokens after its first, in one right-padded
-        forward pass under the current weights (atomic w.r.t. weight updates), and the version they are."""
+    def score_prompts(self, prompts: list[list[int]], top_k: int = 0) -> list[ServedScores]:
+        """Teacher-forced log-probs (temperature 1) of every prompt's tokens after its first (with `top_k`, the
+        `top_k` most likely tokens at each of those positions and their log-probs), in one right-padded forward pass
+        under the current weights (atomic w.r.t. weight updates), and the version they are."""
         self._check_open()
         self.memory.check_can_generate()
         if any(len(p) < 2 for p in prompts):
@@ -173,11 +174,21 @@ class LocalEngine:
             self._check_open()
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             version = self._version
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None].to(self.device))
-        rows = logp[..., 0].cpu()
+        full = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        rows = full.gather(-1, ids[:, 1:, None].to(self.device))[..., 0].cpu()
         scores = [rows[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return [ServedScores("local engine", version, dtype, scores)]
+        if not top_k:
+            return [ServedScores("local engine", version, dtype, scores)]
+        top_logp, top_ids = (t.cpu() for t in full.topk(top_k, dim=-1))
+        cut = [len(p) - 1 for p in prompts]
+        return [
+            ServedScores(
+                "local engine", version, dtype, scores,
+                top_ids=[top_ids[i, :n].tolist() for i, n in enumerate(cut)],
+                top_log_probs=[top_logp[i, :n].tolist() for i, n in enumerate(cut)],
+            )
+        ]  # fmt: skip
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the parameters' storage ("weights"; values discarded); "kv_cache" and "cuda_graph" hold nothing

@@ -226,27 +226,37 @@ class SGLangEngine:
             self.servers.stop()
 
     # ------------------------------------------------------------------ extras
-    def score_prompts(self, prompts: list[list[int]]) -> list[ServedScores]:
+    def score_prompts(self, prompts: list[list[int]], top_k: int = 0) -> list[ServedScores]:
         """Every server's teacher-forced log-probs (temperature 1) of each prompt's tokens after its first (one
-        prefill-only /generate batch per server), with the weight version and dtype it reports (/model_info,
-        /server_info)."""
+        prefill-only /generate batch per server; with `top_k`, SGLang's `input_top_logprobs` of `top_k` tokens at
+        each of those positions), with the weight version and dtype it reports (/model_info, /server_info)."""
         if any(len(p) < 2 for p in prompts):
             raise ValueError("every probe prompt needs at least two tokens")
-        return list(self._pool.map(lambda url: self._score_on(url, prompts), self.urls))
+        return list(self._pool.map(lambda url: self._score_on(url, prompts, top_k), self.urls))
 
-    def _score_on(self, url: str, prompts: list[list[int]]) -> ServedScores:
-        body = {
+    def _score_on(self, url: str, prompts: list[list[int]], top_k: int) -> ServedScores:
+        body: dict[str, Any] = {
             "input_ids": prompts,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
+        if top_k:
+            body["top_logprobs_num"] = top_k
         out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
         items = out if isinstance(out, list) else [out]
-        scores = [[float(lp) for lp, _, _ in item["meta_info"]["input_token_logprobs"][1:]] for item in items]
+        metas = [item["meta_info"] for item in items]
+        scores = [[float(lp) for lp, _, _ in meta["input_token_logprobs"][1:]] for meta in metas]
+        top_ids = top_logp = None
+        if top_k:  # input_top_logprobs[t]: (log-prob, id, text) of the top_k tokens at t, None at t = 0
+            rows = [meta["input_top_logprobs"][1:] for meta in metas]
+            top_ids = [[[int(i) for _, i, _ in pos] for pos in row] for row in rows]
+            top_logp = [[[float(lp) for lp, _, _ in pos] for pos in row] for row in rows]
         info = request_json(url, "/model_info", timeout_s=self.control_timeout_s, api_key=self._key)
         server = request_json(url, "/server_info", timeout_s=self.control_timeout_s, api_key=self._key)
-        return ServedScores(url, str(info.get("weight_version")), str(server.get("dtype", "unknown")), scores)
+        return ServedScores(
+            url, str(info.get("weight_version")), str(server.get("dtype", "unknown")), scores, top_ids, top_logp
+        )
 
     def flush_cache(self) -> None:
         self._broadcast("/flush_cache", {})
