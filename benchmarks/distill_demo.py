@@ -3,9 +3,10 @@
 From the demo's warmed-up model W (the random demo model after the example's supervised warm-up):
 
 * the teacher is W trained further: `--teacher-steps` GSPO steps of the demo, converted to HF;
-* three runs start from W and train `--steps` steps each, with the same seed and settings:
+* four runs start from W and train `--steps` steps each, with the same seed and settings:
   ``rl`` (the task reward alone, the demo's GSPO), ``distill`` (`algo.distill.task_rewards=false`: the per-token
-  reverse KL to the teacher alone) and ``rl+distill`` (both, `algo.distill.coef` 1).
+  reverse KL to the teacher alone), ``rl+distill`` (both, `algo.distill.coef` 1) and ``top-k`` (top-k
+  distillation's loss term alone: `algo.distill.top_k=8`, `coef=0`, no task reward).
 
 Distillation runs with a token-level loss (`algo.loss=ppo`, clip 0.2/0.28, token-mean): GSPO weighs a sequence with
 the token mean of its advantages, which averages the per-token signal away. Held-out greedy accuracy (256 prompts)
@@ -70,10 +71,12 @@ def main() -> None:
         "rl": (),
         "distill": (f"algo.distill.teacher={teacher}", "algo.distill.task_rewards=false"),
         "rl+distill": (f"algo.distill.teacher={teacher}",),
+        "top-k": (f"algo.distill.teacher={teacher}", "algo.distill.task_rewards=false", "algo.distill.coef=0",
+                  "algo.distill.top_k=8"),
     }
     curves: dict[str, list[dict]] = {}
     for name, extra in runs.items():
-        out = work / name.replace("+", "_")
+        out = work / name.replace("+", "_").replace("-", "")
         if not (out / "metrics.jsonl").is_file():
             run([*TRAIN, f"trainer.output_dir={out}", f"model.hf_path={student}", "warmup.sft_steps=0",
                  f"trainer.steps={args.steps}", f"data.eval_every={args.eval_every}", *QUIET, *TOKEN_LEVEL,
@@ -93,6 +96,7 @@ def main() -> None:
             name: {
                 "accuracy": {r["step"]: r["eval/accuracy"] for r in history if "eval/accuracy" in r},
                 "reverse_kl": {r["step"]: r["distill/reverse_kl"] for r in history if "distill/reverse_kl" in r},
+                "topk_kl": {r["step"]: r["distill/topk_kl"] for r in history if "distill/topk_kl" in r},
                 "reward": {r["step"]: r["rollout/reward_mean"] for r in history if "rollout/reward_mean" in r},
             }
             for name, history in curves.items()
@@ -109,12 +113,12 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc, kl) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, curves in summary["runs"].items():
+    for i, (name, curves) in enumerate(summary["runs"].items()):
         steps = sorted(curves["accuracy"], key=int)
-        acc.plot([int(s) for s in steps], [curves["accuracy"][s] for s in steps], marker="o", label=name)
+        acc.plot([int(s) for s in steps], [curves["accuracy"][s] for s in steps], marker="o", label=name, color=f"C{i}")
         if curves["reverse_kl"]:
             ks = sorted(curves["reverse_kl"], key=int)
-            kl.plot([int(s) for s in ks], [curves["reverse_kl"][s] for s in ks], label=name)
+            kl.plot([int(s) for s in ks], [curves["reverse_kl"][s] for s in ks], label=name, color=f"C{i}")
     acc.axhline(summary["teacher_accuracy"], color="gray", linestyle="--", label="teacher")
     acc.set(xlabel="RL step", ylabel="held-out greedy accuracy (256 prompts)", title="accuracy from the same start")
     kl.set(xlabel="RL step", ylabel="mean log pi_old - log pi_teacher", title="distill/reverse_kl")
