@@ -6,7 +6,10 @@ and trains 3 PPO steps, offloading the training state to the host and back after
 Tolerances (fp32): log-probs and entropy 5e-6 absolute, loss 1e-6 absolute, grad norm 1e-5 relative;
 routes and exported weights identical. Within each layout, packed micro-batches (the default) match padded ones:
 log-probs, entropy and one update's loss within 1e-6 absolute, its grad norm within 1e-6 relative, routes identical,
-and replaying the recorded routes reproduces the packed pass bitwise.
+and replaying the recorded routes reproduces the packed pass bitwise. The scoring pass also returns the top-4 next
+tokens (a Megatron distillation teacher's vocab-parallel top-k: ids identical, log-probs within 5e-6), and the loss
+carries top-k distillation's term towards them, so the steps check the student's log-probs at the teacher's ids in
+every layout.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe
     lp_err = (torch.tensor(got["log_probs"]) - torch.tensor(ref["log_probs"])).abs().max().item()
     ent_err = (torch.tensor(got["entropy"]) - torch.tensor(ref["entropy"])).abs().max().item()
     assert lp_err < 5e-6, f"{name}: log-prob error {lp_err}"
+    topk_err = (torch.tensor(got["topk_log_probs"]) - torch.tensor(ref["topk_log_probs"])).abs().max().item()
+    assert topk_err < 5e-6, f"{name}: top-k log-prob error {topk_err}"
+    assert got["topk_ids"] == ref["topk_ids"], f"{name}: top-k ids differ from the single process"
     assert ent_err < 5e-6, f"{name}: entropy error {ent_err}"
     # Compare routes where tokens exist (padding positions route whatever padding their micro-batch held).
     valid = torch.tensor(ref["log_probs"]) != 0

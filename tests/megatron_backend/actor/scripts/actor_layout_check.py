@@ -10,6 +10,8 @@ import time
 
 import torch
 
+TOP_K = 4
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -24,6 +26,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_rl.algorithms import policy_loss
+    from megatron_rl.algorithms.distillation import topk_kl
     from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
@@ -58,18 +61,23 @@ def main() -> None:
     for i in range(b):
         ids[i, lengths[i] :] = 3
     batch = TokenBatch(ids, lengths, starts)
-    scored = actor.compute_log_probs(batch, with_entropy=True, route_mode="record")
+    scored = actor.compute_log_probs(batch, with_entropy=True, route_mode="record", top_k=TOP_K)
     reference = ReferenceWeights(actor)
     advantages = torch.linspace(-1.0, 1.0, b)
     batch.fields["old_log_probs"] = scored.log_probs
     batch.fields["advantages"] = advantages.unsqueeze(1).expand(b, s).contiguous()
+    # top-k distillation's term towards a teacher that ranks the policy's own top-k in reverse order
+    batch.fields["teacher_topk_ids"] = scored.topk_ids
+    batch.fields["teacher_topk_log_probs"] = scored.topk_log_probs.flip(-1)
 
-    def loss_fn(logp, ent, mb):
+    def loss_fn(logp, ent, mb, topk_log_probs=None):
         mask = mb.response_mask().to(logp.device).float()
         loss, metrics = policy_loss(
             "ppo", logp, mb.fields["old_log_probs"].to(logp.device), mb.fields["advantages"].to(logp.device), mask
         )
         count = mask.sum().to(torch.int)
+        teacher = mb.fields["teacher_topk_log_probs"].to(logp.device)
+        loss = loss + 0.5 * (topk_kl(teacher, topk_log_probs) * mask).sum() / mask.sum().clamp_min(1)
         return loss * count, count, {"ppo_kl": metrics["ppo_kl"], "clip_frac_high": metrics["clip_frac_high"]}
 
     packing = packed_vs_padded(actor, batch, scored, loss_fn)
@@ -102,6 +110,8 @@ def main() -> None:
         json.dump(
             {
                 "log_probs": scored.log_probs.tolist(),
+                "topk_ids": scored.topk_ids.tolist(),
+                "topk_log_probs": scored.topk_log_probs.tolist(),
                 "entropy": scored.entropy.tolist(),
                 "routes": scored.routes.long().tolist(),
                 "export_equal": export_equal,
