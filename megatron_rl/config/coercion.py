@@ -249,11 +249,9 @@ def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 def _sections_in(tp: Any, value: Any, key: str) -> Any:
     """`value` (as `coerce` returned it) with the sections of a list of sections built, e.g. `data.reward`'s
     `str | tuple[RewardSpec, ...]`."""
-    for arm in _union_args(tp) or (tp,):
-        targs = typing.get_args(arm)
-        if typing.get_origin(arm) is tuple and len(targs) == 2 and targs[1] is Ellipsis and is_section(targs[0]):
-            if isinstance(value, tuple):
-                return tuple(build(targs[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    item = list_item_section(tp)
+    if item is not None and isinstance(value, tuple):
+        return tuple(build(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     return value
 
 
@@ -281,15 +279,31 @@ def walk_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Field
 
 
 def section_of(cls: type, path: list[str]) -> tuple[type, FieldSpec]:
-    """The section class holding dotted ``path``'s last field, and that field; unknown keys raise."""
-    for i, name in enumerate(path):
+    """The section class holding dotted ``path``'s last field, and that field; unknown keys raise. An index steps
+    into a list of sections: ``rollout.side_models.0.urls``."""
+    i = 0
+    while i < len(path):
+        name = path[i]
         specs = field_specs(cls)
         if name not in specs:
             raise unknown_key_error(".".join(path[: i + 1]), cls)
         spec = specs[name]
         if i == len(path) - 1:
             return cls, spec
+        item = list_item_section(spec.type)
+        if item is not None and path[i + 1].isdigit() and i + 2 < len(path):
+            cls, i = item, i + 2
+            continue
         if not is_section(spec.type):
             raise ConfigError(f"{'.'.join(path[: i + 1])!r} is a value, not a section; it has no key {path[i + 1]!r}")
-        cls = spec.type
+        cls, i = spec.type, i + 1
     raise ConfigError("empty key")
+
+
+def list_item_section(tp: Any) -> type | None:
+    """The section of a list of sections (``tuple[SideModel, ...]``, also inside a union), else None."""
+    for arm in _union_args(tp) or (tp,):
+        targs = typing.get_args(arm)
+        if typing.get_origin(arm) is tuple and len(targs) == 2 and targs[1] is Ellipsis and is_section(targs[0]):
+            return targs[0]
+    return None

@@ -4,15 +4,19 @@ YAML (files and override values) is read with YAML 1.2 core-schema scalars: only
 are booleans (``off``, ``yes``, ``no`` stay strings, so ``algo.routing_replay=off`` works), ``1e-5`` is a
 number, ``null``/``~`` is None, and ``010`` is ten. The resolved config is written the same way
 (`dump_yaml`), quoting any string that a YAML 1.1 or 1.2 reader would take for something else, so
-``load_config(dumped)`` gives back the same config.
+``load_config(dumped)`` gives back the same config. The ``plugins`` modules (next to the config file or in the working
+directory) are imported first, so the rewards, environments and tools they register can be named.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import re
+import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,6 @@ import yaml
 
 from megatron_rl.config.coercion import _plain, accepts_str, build, coerce_field, coerce_tree, section_of, to_dict
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.plugins import import_plugins
 from megatron_rl.config.presets import PRESETS, preset_values
 from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.config.schema import AlgoConfig, RLConfig
@@ -110,12 +113,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, coerce_field(value, spec, key)
 
 
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated recursively with ``update`` (mappings merge, anything else replaces)."""
+def _merge(base: dict[str, Any], update: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``base`` updated recursively with ``update`` (mappings merge, anything else replaces). An update keyed by
+    list indices (an override ``rollout.side_models.0.urls=...``) merges into those items of the list."""
     out = dict(base)
     for name, value in update.items():
+        key = f"{prefix}{name}"
         if isinstance(value, Mapping) and isinstance(out.get(name), Mapping):
-            out[name] = _merge(out[name], value)
+            out[name] = _merge(out[name], value, key + ".")
+        elif isinstance(value, Mapping) and value and all(str(k).isdigit() for k in value):
+            items = list(out.get(name) or ())
+            for index, item in value.items():
+                if int(index) >= len(items) or not isinstance(items[int(index)], Mapping):
+                    raise ConfigError(f"{key}.{index}: {key} has {len(items)} entries, so no entry {index} to change")
+                items[int(index)] = _merge(items[int(index)], item, f"{key}.{index}.")
+            out[name] = tuple(items)
         else:
             out[name] = value
     return out
@@ -176,6 +188,38 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     explicit = explicit_settings(path, overrides)
     import_plugins(explicit.get("plugins", ()), path)
     return resolve(explicit)
+
+
+# ---------------------------------------------------------------------------------------------- plugins
+# The user's plugin modules register rewards, environments or tools (`register_reward`, ...) or are named by a dotted
+# path (`data.reward: my_rewards:score`); every rank under torchrun loads the config, so every rank imports them.
+def plugin_folders(config_path: str | Path | None) -> list[Path]:
+    """Where plugin modules are found besides sys.path: the config file's folder, then the working directory."""
+    folders = [Path(config_path).absolute().parent] if config_path is not None else []
+    return [*folders, Path(os.getcwd())]
+
+
+def add_plugin_folders(config_path: str | Path | None) -> None:
+    """Make modules next to the config file and in the working directory importable (appended to sys.path, so a
+    plugin never shadows an installed package)."""
+    for folder in plugin_folders(config_path):
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+
+
+def import_plugins(modules: Iterable[str], config_path: str | Path | None = None) -> None:
+    """Import each of `modules` (the `plugins` key); a ConfigError names one that does not import and where it was
+    looked for."""
+    add_plugin_folders(config_path)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            where = ", ".join(str(f) for f in plugin_folders(config_path))
+            raise ConfigError(
+                f"plugins: cannot import {name!r} ({err}); searched {where} and PYTHONPATH: put the module next to "
+                "the config file or in the working directory, or add its folder to PYTHONPATH"
+            ) from err
 
 
 # The algo sections `resolve` made (the preset is in their values already), by id: `configure` keeps them whole.

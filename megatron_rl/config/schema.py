@@ -5,7 +5,7 @@
       parallel   ParallelLayout   (megatron_rl.parallel_layout)
       optimizer  OptimizerOptions (config.options)
       algo       AlgoConfig
-      rollout    RolloutConfig    (sampling: rollout.engine.SamplingParams, sglang: SGLangConfig)
+      rollout    RolloutConfig    (sampling: rollout.engine.SamplingParams, sglang: SGLangConfig, side_models)
       data       DataConfig
       warmup     WarmupConfig
       trainer    TrainerConfig
@@ -29,6 +29,7 @@ from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.fields import setting
 from megatron_rl.config.options import ModelOptions, OptimizerOptions
 from megatron_rl.config.sampling import SamplingParams, TurnLimits
+from megatron_rl.config.side_models import SideModel
 from megatron_rl.parallel_layout import ParallelLayout
 
 
@@ -113,6 +114,12 @@ class RolloutConfig:
     prompts_per_step: int = setting(32, help="prompts per training step", ge=1)
     sampling: SamplingParams = setting(default_factory=SamplingParams, help="sampling parameters of generation")
     sglang: SGLangConfig = setting(default_factory=SGLangConfig, help="SGLang servers (engine=sglang only)")
+    side_models: tuple[SideModel, ...] = setting(
+        (),
+        help="frozen models served by SGLang beside the rollout servers, never sent weights: [{name, hf_path, "
+        "num_servers, tp, mem_fraction_static, urls}]; a judge's url or algo.distill.sglang_urls names one as "
+        "side:<name> (config/side_models.py)",
+    )
     weight_sync: Literal["tensor", "distributed", "disk"] = setting(
         "tensor",
         help="how new weights reach the engine: tensor = in memory (local engine, colocated servers), "

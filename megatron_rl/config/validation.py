@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
+from megatron_rl.config.side_models import check_side_models
 from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.kernels import packed_gspo_applies
 from megatron_rl.models.architecture import is_moe
@@ -226,6 +227,7 @@ def _check_routing_replay(cfg: RLConfig, errors: list[str], notes: list[str]) ->
 
 def _check_rollout(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
     rollout, colocate = cfg.rollout, cfg.trainer.colocate
+    check_side_models(cfg, errors)
     s = rollout.sampling
     if s.max_new_tokens < 1:
         errors.append(f"rollout.sampling.max_new_tokens={s.max_new_tokens} must be >= 1")

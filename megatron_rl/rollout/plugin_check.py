@@ -1,5 +1,5 @@
 """Every plugin a config names, resolved before anything is built: rewards, environments, tools, tool-call formats
-and custom generate functions (plugin modules are imported first: `config.plugins.import_plugins`)."""
+and custom generate functions (plugin modules are imported first: `config.loader.import_plugins`)."""
 
 from __future__ import annotations
 

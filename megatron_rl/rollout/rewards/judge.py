@@ -7,8 +7,10 @@ model in its RewardLoop; slime's and TRL's LLM judges).
       reward: {name: judge, options: {model: /models/judge, verdict: score, max_score: 10}}  # a local engine
 
 The judge is a frozen side model, never sent weights: either a server speaking the OpenAI chat-completions API
-(`url`: SGLang's and vLLM's `/v1/chat/completions`, launched beside the rollout servers; `api_key_file` sends a
-bearer token), or `model`, an HF checkpoint the local engine loads once per process on the rollout's device.
+(`url`: SGLang's and vLLM's `/v1/chat/completions`, launched beside the rollout servers; a list spreads the requests
+over several servers; `side:<name>` names a side model of `rollout.side_models`, whose URLs and API key file the
+trainer fills in; `api_key_file` sends a bearer token), or `model`, an HF checkpoint the local engine loads once per
+process on the rollout's device.
 The template (`template`; `{prompt}`, `{response}`, `{answer}`) is sent as one user message: the server applies
 the judge's chat template, the local engine its tokenizer's.
 
@@ -73,7 +75,7 @@ def judge(
     completion_ids: list | None = None,
     answer: list | None = None,
     *,
-    url: str | None = None,
+    url: str | list[str] | None = None,
     model: str | None = None,
     template: str = DEFAULT_TEMPLATE,
     verdict: str = "correct",
@@ -96,9 +98,13 @@ def judge(
         replies: list[str | Failure] = list(_local_judge(model).ask(requests, max_new_tokens, temperature))
     else:
         assert url is not None  # validate_options requires one of them
-        server = _ServerJudge(url, api_key_file, timeout_s, retries, backoff_s)
+        urls = [url] if isinstance(url, str) else url
+        if any(u.startswith("side:") for u in urls):
+            raise JudgeError(f"judge url {url!r} names a side model the trainer resolves; give the server's URL here")
+        servers = [_ServerJudge(u, api_key_file, timeout_s, retries, backoff_s) for u in urls]
         with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests)))) as pool:
-            replies = list(pool.map(lambda r: server.ask(r, max_new_tokens, temperature), requests))
+            asked = [(servers[i % len(servers)], r) for i, r in enumerate(requests)]  # spread over the servers
+            replies = list(pool.map(lambda sr: sr[0].ask(sr[1], max_new_tokens, temperature), asked))
     rewards: list[float | Failure] = []
     for reply in replies:
         if isinstance(reply, Failure):

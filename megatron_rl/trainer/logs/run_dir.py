@@ -52,6 +52,7 @@ RESUMABLE_CHANGES = (
     "logging",
     "parallel",
     "rollout.sglang",
+    "rollout.side_models",  # where they are served; which one a judge or teacher is stays in its side:<name>
     "rollout.bucket_mb",
     "rollout.restarts_per_step",
     "rollout.release_memory",
