@@ -20,6 +20,13 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.launch.placement import (
+    RolloutServer,
+    SideServer,
+    format_servers,
+    place_servers,
+    servers_shell,
+)
 from megatron_rl.models.architecture import model_dims
 from megatron_rl.models.family import ModelDims, UnsupportedModelError, get_family
 from megatron_rl.parallel_layout import LayoutError
@@ -33,7 +40,6 @@ measurement (override with ClusterSpec.pcie_gb_per_s)."""
 STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 CUDA_CONTEXT_GIB = 3.0  # CUDA context, NCCL buffers and allocator slack per GPU
 SGLANG_RELEASED_GIB = 2.0  # what a colocated SGLang server keeps after releasing its memory (context, buffers)
-SGLANG_PORT = 30000
 ROUTER_PORT = 30100
 
 
@@ -62,13 +68,6 @@ class TrainerRank:
     etp: int
     ep: int
     edp: int
-
-
-@dataclass(frozen=True)
-class RolloutServer:
-    node: int
-    gpus: tuple[int, ...]
-    port: int
 
 
 @dataclass(frozen=True)
@@ -121,6 +120,7 @@ class Plan:
     memory: MemoryEstimate
     params: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    side_servers: tuple[SideServer, ...] = ()  # the launched side models' (placement.py)
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -128,7 +128,7 @@ class Plan:
 
     @property
     def rollout_nodes(self) -> list[int]:
-        return sorted({s.node for s in self.servers})
+        return sorted({s.node for s in self.servers} | {s.node for s in self.side_servers})
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -163,23 +163,10 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
         layout = cfg.parallel.validate(world, **dims.layout_checks())
     except LayoutError as err:
         reasons.append(f"parallel layout on {world} training GPUs ({train_nodes} nodes): {err}")
-    servers: list[RolloutServer] = []
-    router = None
-    if sglang:
-        gpus_per_server = cfg.rollout.sglang.tp_size
-        if cluster.gpus_per_node % gpus_per_server:
-            reasons.append(
-                f"rollout.sglang.tp_size={gpus_per_server} does not divide {cluster.gpus_per_node} GPUs per node: "
-                "a server must fit on one node"
-            )
-        else:
-            serving = range(cluster.nodes) if colocated else range(train_nodes, cluster.nodes)
-            for node in serving:
-                for i in range(cluster.gpus_per_node // gpus_per_server):
-                    gpus = tuple(range(i * gpus_per_server, (i + 1) * gpus_per_server))
-                    servers.append(RolloutServer(node, gpus, SGLANG_PORT + i))
-            if len(servers) > 1:
-                router = (servers[0].node, ROUTER_PORT)
+    serving = [] if not sglang else list(range(cluster.nodes) if colocated else range(train_nodes, cluster.nodes))
+    servers, side_servers, problems = place_servers(cfg, serving, cluster.gpus_per_node, colocated)
+    reasons += problems
+    router = (servers[0].node, ROUTER_PORT) if len(servers) > 1 else None
     memory, params = _memory(cfg, dims, _shared_expert_gate(hf, dims), layout, cluster, colocated and sglang)
     if layout is not None and memory.total > memory.budget:
         reasons.append(
@@ -227,8 +214,11 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
             f"{memory.weights / GiB:.1f} GiB of host memory per GPU, no extra GPU memory",
             "local_engine": "distillation teacher on the local engine: a second model on rank 0's GPU, not counted "
             "above; prefer served_by=sglang at scale",
-            "sglang": "distillation teacher on its own SGLang servers (algo.distill.sglang_urls): not planned here",
+            "sglang": "distillation teacher on its own SGLang servers: "
+            + ("a side model, planned above" if any(u.startswith("side:") for u in distill.sglang_urls)
+               else "algo.distill.sglang_urls, not planned here"),
         }[distill.served_by])  # fmt: skip
+    notes += [f"side model {m.name}: running at {', '.join(m.urls)}" for m in cfg.rollout.side_models if m.urls]
     if cfg.trainer.mode == "async":
         k = cfg.trainer.max_staleness
         notes.append(
@@ -248,6 +238,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
         memory,
         params,
         tuple(notes),
+        tuple(side_servers),
     )
 
 
@@ -422,9 +413,7 @@ def format_plan(plan: Plan) -> str:
                 f"etp {r.etp} ep {r.ep} edp {r.edp}"
             )
     if plan.servers:
-        out.append(f"rollout: {len(plan.servers)} SGLang server(s) on nodes {plan.rollout_nodes}")
-        for s in plan.servers:
-            out.append(f"  node {s.node}: port {s.port}, GPUs {list(s.gpus)}")
+        out.extend(format_servers(plan.servers, plan.side_servers, plan.rollout_nodes))
         if plan.router:
             out.append(f"  sglang-router on node {plan.router[0]}, port {plan.router[1]}")
     else:
@@ -447,7 +436,6 @@ def _count(n: float) -> str:
 
 def shell_plan(plan: Plan, cfg) -> str:
     """The plan as shell assignments (node indices into the job's node list), for scripts/slurm/*.sbatch."""
-    servers_per_node = len([s for s in plan.servers if s.node == plan.servers[0].node]) if plan.servers else 0
     values = {
         "PLAN_MODE": plan.mode,
         "PLAN_ROLLOUT_ENGINE": cfg.rollout.engine,
@@ -455,15 +443,14 @@ def shell_plan(plan: Plan, cfg) -> str:
         "PLAN_TRAIN_NODES": " ".join(map(str, plan.trainer_nodes)),
         "PLAN_ROLLOUT_NODES": " ".join(map(str, plan.rollout_nodes)),
         "PLAN_TRAINER_RANKS_PER_NODE": str(plan.cluster.gpus_per_node),
-        "PLAN_SERVERS_PER_NODE": str(servers_per_node),
         "PLAN_SERVER_TP": str(cfg.rollout.sglang.tp_size),
         "PLAN_SERVER_EP": str(cfg.rollout.sglang.ep_size),
         "PLAN_SERVER_MEM_FRACTION": str(cfg.rollout.sglang.mem_fraction_static),
-        "PLAN_SERVER_PORT": str(SGLANG_PORT),
         "PLAN_ROUTER_NODE": str(plan.router[0]) if plan.router else "",
         "PLAN_ROUTER_PORT": str(plan.router[1]) if plan.router else "",
         "PLAN_ROUTER_POLICY": cfg.rollout.sglang.router_policy,
         "PLAN_R3": "1" if cfg.algo.routing_replay == "R3" else "",
         "PLAN_MEMORY_SAVER": "1" if cfg.rollout.release_memory else "",
+        **servers_shell(cfg, plan.servers, plan.side_servers),
     }
     return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())

@@ -12,6 +12,7 @@ CHILD_PIDS=()
 SERVER_URLS=()
 ROUTER_URL=""
 API_KEY_FILE=""
+SIDE_OVERRIDES=()
 
 log() { echo "[$(date '+%F %T')] $*"; }
 
@@ -62,44 +63,44 @@ wait_healthy() {  # wait_healthy URL PATH PID: until URL+PATH answers, the proce
     done
 }
 
-# make_api_key: a fresh random key in $RUN_DIR/.rollout_api_key (0600); sets API_KEY_FILE and KEYED_LAUNCH (the
-# launcher that starts a server or router with that key; RUN_DIR and the repository are on a shared filesystem).
+# make_api_key: a fresh random key in $RUN_DIR/.rollout_api_key (0600), once per job; sets API_KEY_FILE and
+# KEYED_LAUNCH (the launcher that starts a server or router with that key; RUN_DIR and the repository are on a
+# shared filesystem).
 make_api_key() {
+    [ -n "$API_KEY_FILE" ] && return 0
     API_KEY_FILE="$RUN_DIR/.rollout_api_key"
     "$PYTHON" -c "import sys; from megatron_rl.rollout.sglang.api_key import create_api_key_file as c; c(sys.argv[1])" \
         "$API_KEY_FILE"
     KEYED_LAUNCH="$("$PYTHON" -c "import megatron_rl.rollout.sglang.sglang_keyed_launch as m; print(m.__file__)")"
 }
 
-# start_sglang_servers "NODE_INDICES": PLAN_SERVERS_PER_NODE servers on each listed node (each on
-# PLAN_SERVER_TP GPUs), then sglang-router when the plan has one, all with the job's API key and listening on
-# the node's own address. Sets SERVER_URLS, ROUTER_URL and API_KEY_FILE.
+# start_sglang_servers: the plan's rollout servers (PLAN_SERVERS, "node:port:gpus" each), then sglang-router when
+# the plan has one, all with the job's API key and listening on the node's own address. Sets SERVER_URLS,
+# ROUTER_URL and API_KEY_FILE.
 start_sglang_servers() {
-    local index node s port first pid
-    local flags=()
+    local entry index port gpus node pid
+    local flags=() pids=()
     make_api_key
     [ -n "$PLAN_R3" ] && flags+=(--enable-return-routed-experts)
     [ -n "$PLAN_MEMORY_SAVER" ] && flags+=(--enable-memory-saver)  # rollout.release_memory (colocated)
     # shellcheck disable=SC2206
     [ -n "${SGLANG_EXTRA_ARGS:-}" ] && flags+=($SGLANG_EXTRA_ARGS)
-    for index in $1; do
+    for entry in $PLAN_SERVERS; do
+        IFS=: read -r index port gpus <<< "$entry"
         node="${NODES[$index]}"
-        for s in $(seq 0 $((PLAN_SERVERS_PER_NODE - 1))); do
-            port=$((PLAN_SERVER_PORT + s))
-            first=$((s * PLAN_SERVER_TP))
-            srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/sglang_${node}_${port}.log" \
-                env CUDA_VISIBLE_DEVICES="$(seq -s, "$first" $((first + PLAN_SERVER_TP - 1)))" \
-                "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang.launch_server \
-                --model-path "$PLAN_MODEL_PATH" --host "${SGLANG_HOST:-$node}" --port "$port" \
-                --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
-                --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${flags[@]}" &
-            CHILD_PIDS+=("$!")
-            SERVER_URLS+=("http://$node:$port")
-        done
+        srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/sglang_${node}_${port}.log" \
+            env CUDA_VISIBLE_DEVICES="$gpus" \
+            "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang.launch_server \
+            --model-path "$PLAN_MODEL_PATH" --host "${SGLANG_HOST:-$node}" --port "$port" \
+            --tp-size "$PLAN_SERVER_TP" --ep-size "$PLAN_SERVER_EP" \
+            --mem-fraction-static "$PLAN_SERVER_MEM_FRACTION" "${flags[@]}" &
+        CHILD_PIDS+=("$!")
+        pids+=("$!")
+        SERVER_URLS+=("http://$node:$port")
     done
     local i=0
     for url in "${SERVER_URLS[@]}"; do
-        wait_healthy "$url" /health "${CHILD_PIDS[$i]}"
+        wait_healthy "$url" /health "${pids[$i]}"
         i=$((i + 1))
     done
     log "SGLang servers healthy: ${SERVER_URLS[*]}"
@@ -115,6 +116,42 @@ start_sglang_servers() {
         wait_healthy "$ROUTER_URL" /liveness "$pid"
         log "sglang-router healthy: $ROUTER_URL"
     fi
+}
+
+# start_side_servers: the frozen side models the plan launches (PLAN_SIDE_SERVERS, "model:node:port:gpus" each;
+# rollout.side_models without urls), with the job's API key, never sent weights; waits for their health. Sets
+# SIDE_OVERRIDES, one `rollout.side_models.<i>.urls=[...]` per launched model, for the trainer.
+start_side_servers() {
+    local entry model index port gpus node path tp fraction url
+    local flags=() pids=() urls=()
+    [ -n "$PLAN_SIDE_SERVERS" ] || return 0
+    make_api_key
+    # shellcheck disable=SC2206
+    [ -n "${SGLANG_EXTRA_ARGS:-}" ] && flags+=($SGLANG_EXTRA_ARGS)
+    for entry in $PLAN_SIDE_SERVERS; do
+        IFS=: read -r model index port gpus <<< "$entry"
+        node="${NODES[$index]}"
+        path="PLAN_SIDE_${model}_PATH" tp="PLAN_SIDE_${model}_TP" fraction="PLAN_SIDE_${model}_MEM_FRACTION"
+        srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOG_DIR/side_${model}_${node}_${port}.log" \
+            env CUDA_VISIBLE_DEVICES="$gpus" \
+            "$SGLANG_PYTHON" -P "$KEYED_LAUNCH" "$API_KEY_FILE" sglang.launch_server \
+            --model-path "${!path}" --host "${SGLANG_HOST:-$node}" --port "$port" --tp-size "${!tp}" \
+            --mem-fraction-static "${!fraction}" "${flags[@]}" &
+        CHILD_PIDS+=("$!")
+        pids+=("$!")
+        urls+=("$model=http://$node:$port")
+    done
+    local i=0
+    for url in "${urls[@]}"; do
+        wait_healthy "${url#*=}" /health "${pids[$i]}"
+        i=$((i + 1))
+    done
+    for model in $PLAN_SIDE_MODELS; do
+        local mine=()
+        for url in "${urls[@]}"; do [ "${url%%=*}" = "$model" ] && mine+=("${url#*=}"); done
+        SIDE_OVERRIDES+=("rollout.side_models.$model.urls=[$(IFS=,; echo "${mine[*]}")]")
+    done
+    log "side models healthy: ${SIDE_OVERRIDES[*]}"
 }
 
 # run_trainer NNODES HEAD "NODE NAMES" [extra overrides...]: torchrun on each node (one srun task per

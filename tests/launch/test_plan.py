@@ -57,7 +57,8 @@ def test_colocated_two_nodes_places_servers_and_router_on_every_node() -> None:
     assert plan.router == (0, 30100)
     assert plan.memory.total <= plan.memory.budget
     shell = shell_plan(plan, cfg)
-    assert "PLAN_TRAIN_NODES='0 1'" in shell and "PLAN_SERVERS_PER_NODE=1" in shell and "PLAN_ROUTER_NODE=0" in shell
+    assert "PLAN_TRAIN_NODES='0 1'" in shell and "PLAN_ROUTER_NODE=0" in shell
+    assert "PLAN_SERVERS='0:30000:0,1,2,3,4,5,6,7 1:30000:0,1,2,3,4,5,6,7'" in shell and "PLAN_SIDE_SERVERS=''" in shell
     assert "PLAN_MEMORY_SAVER=1" in shell  # the template starts SGLang with --enable-memory-saver
 
 
