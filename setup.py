@@ -56,6 +56,7 @@ setup(
             "triton==3.7.1; platform_machine == 'x86_64'",
             "pyarrow>=15",
             "math-verify>=0.9",
+            "peft==0.21.2",  # LoRA: the exported adapter is loaded with peft in the tests
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

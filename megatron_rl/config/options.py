@@ -1,4 +1,4 @@
-"""The option types of the Megatron backend: how the model is built and how it is optimised.
+"""The option types of the Megatron backend: how the model is built, adapted (LoRA) and optimised.
 
 Plain dataclasses (no Megatron import), so the config schema can hold them without building anything.
 """
@@ -113,4 +113,30 @@ class OptimizerOptions:
     )
     moments_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = field(
         default="fp32", metadata={"help": "with precision_aware: dtype of Adam's first and second moments"}
+    )
+
+
+LoRATarget = Literal["attention", "mlp", "shared_experts", "experts"]
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """Low-rank adapters on the policy's linear layers; the base weights stay frozen (Hu et al., LoRA,
+    arXiv 2106.09685): `y = W x + (alpha / rank) · B A x`, B = 0 at the start."""
+
+    rank: int = field(default=0, metadata={"help": "adapter rank r; 0 = no adapters (every weight trains)"})
+    alpha: float = field(default=16.0, metadata={"help": "scaling numerator: the update is (alpha / rank) · B A"})
+    dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "dropout on the adapters' input; only 0 is accepted: dropout makes the training forward differ "
+            "from the scoring forward, so the first update's ratio would not be 1 (ppo_kl_first != 0)"
+        },
+    )
+    targets: tuple[LoRATarget, ...] = field(
+        default=("attention", "mlp", "shared_experts", "experts"),
+        metadata={
+            "help": "layers that get adapters: attention (QKV and output projections), mlp (dense layers' MLP), "
+            "shared_experts, experts (every routed expert's fc1 and fc2); routers never"
+        },
     )

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from megatron_rl.config.options import ModelOptions, OptimizerOptions
+from megatron_rl.config.options import LoRAOptions, ModelOptions, OptimizerOptions
 from megatron_rl.kernels import next_token_logprobs_and_entropy
 from megatron_rl.kernels.topk_logprob import next_token_logprobs_at, next_token_topk
 from megatron_rl.megatron_backend import platform
@@ -52,6 +52,7 @@ from megatron_rl.megatron_backend.actor.update_metrics import (
     nonfinite_problem,
     reduce_metric_sums,
 )
+from megatron_rl.megatron_backend.lora.adapters import install_lora
 from megatron_rl.megatron_backend.weights import hf_weights
 from megatron_rl.models.architecture import check_same_architecture
 from megatron_rl.models.family import HFConfig, get_family
@@ -85,6 +86,7 @@ class MegatronActor:
         *,
         micro_batch_tokens: int = 4096,
         balance_quadratic: float = 0.0,
+        lora: LoRAOptions | None = None,
     ):
         from megatron.core import parallel_state as ps
 
@@ -97,6 +99,13 @@ class MegatronActor:
         self.balance_quadratic = balance_quadratic  # a sample's cost when balancing: tokens + this * tokens^2
         self.chunks: list[Any]  # the model chunks (one per virtual pipeline stage), DDP-wrapped for training
         self.chunks, self.config = build_model(hf_config, layout, self.model_options)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None:  # before DDP and the optimizer: they take only the adapters
+            weights = self.family.weight_map(hf_config)
+            install_lora(
+                self.chunks, self.lora, weights,
+                lambda c, name: hf_weights.global_name(self.chunks[c], name, weights.num_experts), hf_weights.tp_shard,
+            )  # fmt: skip
         self.routers = MoERouters(self.chunks)
         self.optimizer: Any = None
         self.scheduler: Any = None

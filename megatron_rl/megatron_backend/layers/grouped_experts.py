@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_rl.megatron_backend import platform
+from megatron_rl.megatron_backend.lora.adapters import grouped_delta
 
 
 def grouped_unsupported_reason(config: Any) -> str | None:
@@ -74,6 +75,8 @@ def grouped_mlp_class() -> type:
             fc2 = [expert.linear_fc2 for expert in self.local_experts]
 
             inter = _grouped_linear(hidden, counts, [m.weight for m in fc1], self.gemm)
+            if (delta := grouped_delta(hidden, counts, fc1, _grouped_linear, self.gemm)) is not None:
+                inter = inter + delta.to(inter.dtype)  # LoRA (`lora/adapters.py`)
             if fc1[0].bias is not None:
                 inter = inter + _per_token(torch.stack([m.bias for m in fc1]), counts, inter.shape[0])
             if config.gated_linear_unit:
@@ -87,6 +90,8 @@ def grouped_mlp_class() -> type:
             inter = (inter * probs.unsqueeze(-1)).to(inter.dtype)
 
             output = _grouped_linear(inter, counts, [m.weight for m in fc2], self.gemm)
+            if (delta := grouped_delta(inter, counts, fc2, _grouped_linear, self.gemm)) is not None:
+                output = output + delta.to(output.dtype)
             if fc2[0].bias is not None:
                 bias = _per_token(torch.stack([m.bias for m in fc2]), counts, output.shape[0])
                 output = output + bias * probs.unsqueeze(-1)

@@ -35,6 +35,14 @@ class LocalParam:
     global_name: str
     param: torch.Tensor
     is_expert: bool
+    adapter: Any = None  # the LoRA adapters of the layer this weight belongs to (`lora.adapters.LoRASlices`)
+
+    def value(self) -> torch.Tensor:
+        """The weight the layer computes with: the parameter, plus its adapters' `(α/r) B A` under LoRA (merged)."""
+        param = self.param.detach()
+        if self.adapter is None or not self.adapter.enabled:
+            return param
+        return (param.float() + self.adapter.delta_weight().detach()).to(param.dtype)
 
 
 def _rank_info() -> tuple[int, int, int, int]:
@@ -48,36 +56,42 @@ def _rank_info() -> tuple[int, int, int, int]:
     )
 
 
-def local_params(chunks: list[nn.Module], weights: WeightMap) -> list[LocalParam]:
-    """This rank's parameters, and the buffers a mapping covers (a router's expert bias), named by global layer and
-    global expert index."""
+def global_name(model: Any, name: str, num_experts: int) -> str:
+    """A parameter's layout-free name: `name` (of the bare model `model`) with its global layer and global expert
+    index (the canonical, local-spec spelling)."""
     from megatron.core import parallel_state as ps
 
-    ep_rank = ps.get_expert_model_parallel_rank()
-    ep_size = ps.get_expert_model_parallel_world_size()
-    local_experts = weights.num_experts // ep_size
+    name = canonical_name(name)
+    layer_match = _LAYER.match(name)
+    if layer_match:
+        global_layer = model.decoder.layers[int(layer_match.group(1))].layer_number - 1
+        name = f"decoder.layers.{global_layer}." + name[layer_match.end() :]
+    expert_match = _EXPERT.search(name)
+    if expert_match:
+        local_experts = num_experts // ps.get_expert_model_parallel_world_size()
+        global_expert = ps.get_expert_model_parallel_rank() * local_experts + int(expert_match.group(1))
+        expert = f".mlp.experts.local_experts.{global_expert}."
+        name = name[: expert_match.start()] + expert + name[expert_match.end() :]
+    return name
+
+
+def local_params(chunks: list[nn.Module], weights: WeightMap) -> list[LocalParam]:
+    """This rank's parameters, and the buffers a mapping covers (a router's expert bias), named by global layer and
+    global expert index; LoRA adapters are not among them, they ride with their layer's weight (`LocalParam`)."""
+    from megatron_rl.megatron_backend.lora.adapters import is_lora_param
+
     out: list[LocalParam] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
-        layers = model.decoder.layers if hasattr(model, "decoder") else []
-        tensors = [(n, t, True) for n, t in model.named_parameters()]
+        modules = dict(model.named_modules())
+        tensors = [(n, t, True) for n, t in model.named_parameters() if not is_lora_param(n)]
         tensors += [(n, t, False) for n, t in model.named_buffers()]
-        for name, param, is_param in tensors:
-            name = canonical_name(name)
-            layer_match = _LAYER.match(name)
-            if layer_match:
-                global_layer = layers[int(layer_match.group(1))].layer_number - 1
-                name = f"decoder.layers.{global_layer}." + name[layer_match.end() :]
-            expert_match = _EXPERT.search(name)
-            if expert_match:
-                global_expert = ep_rank * local_experts + int(expert_match.group(1))
-                name = (
-                    name[: expert_match.start()]
-                    + f".mlp.experts.local_experts.{global_expert}."
-                    + name[expert_match.end() :]
-                )
+        for local, param, is_param in tensors:
+            name = global_name(model, local, weights.num_experts)
             if is_param or weights.rule(name) is not None:
-                out.append(LocalParam(name, param, is_expert=expert_match is not None))
+                owner, _, leaf = local.rpartition(".")
+                adapter = getattr(modules.get(owner), "lora", None) if leaf == "weight" else None
+                out.append(LocalParam(name, param, is_expert=_EXPERT.search(name) is not None, adapter=adapter))
     return out
 
 
@@ -111,6 +125,12 @@ def _shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule, rank: int,
     if rule.glu:  # [gate; up] -> [gate_r; up_r]
         return torch.cat([half.chunk(size, dim=dim)[rank] for half in full.chunk(2, dim=0)], dim=0)
     return full.chunk(size, dim=dim)[rank]
+
+
+def tp_shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule) -> torch.Tensor:
+    """This rank's slice of the full Megatron tensor of `param` (a dense, non-expert layer's)."""
+    tp_rank, tp_size, _, _ = _rank_info()
+    return _shard(full, param, rule, tp_rank, tp_size)
 
 
 class SafetensorsIndex:
@@ -207,7 +227,7 @@ def _gather_full(item: LocalParam, rule: WeightRule) -> torch.Tensor:
     """Reassemble the full Megatron tensor from the tensor-parallel shards (collective over the TP group)."""
     from megatron.core import parallel_state as ps
 
-    param = item.param.detach()
+    param = item.value()
     if item.is_expert:
         group, size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
     else:

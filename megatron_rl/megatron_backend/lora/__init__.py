@@ -1,0 +1,1 @@
+"""LoRA: low-rank adapters on the Megatron model's linear layers (`adapters.py`)."""

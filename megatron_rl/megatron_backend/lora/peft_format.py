@@ -1,0 +1,141 @@
+"""The actor's LoRA adapters in Hugging Face peft's format: `adapter_config.json` + `adapter_model.safetensors`,
+with the names and layouts peft itself gives the transformers model (peft 0.21, transformers 5).
+
+* A projection Megatron fuses gets one peft module per HF projection: QKV -> `q_proj`, `k_proj`, `v_proj`; a dense
+  fc1 -> `gate_proj`, `up_proj`; names are the family's HF weight names without `.weight`.
+* Routed experts: transformers 5 stores them fused (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `down_proj`
+  `[E, H, I]`), which peft adapts with `target_parameters`: one `ParamWrapper` per parameter, the first
+  (gate_up_proj) nested as `base_layer` of the second. Each has `lora_A` `[E·r, in]` (expert e's rows
+  `e·r .. e·r+r`) and `lora_B` `[out, r·E]` (expert e's column k at `k·E + e`), as peft's `ParamWrapper`
+  reshapes them (`get_delta_weight`: A `(e, r, in)`, B `(out, r, e)`).
+
+Collective: every rank contributes its adapters (its tensor-parallel shards, its pipeline stage's layers, its
+experts); rank 0 assembles the full tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.megatron_backend.lora.adapters import LoRASlices, lora_modules
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_EXPERT_HF = re.compile(r"^(?P<path>.*\.experts)\.(?P<e>\d+)\.")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # peft's nesting order: first = inner
+_MOE_RENAMED = ("gate_proj", "up_proj", "down_proj")  # names peft 0.21 maps to fused experts on transformers 5
+
+
+def _pieces(lora: LoRASlices, value: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple]:
+    """This rank's part of one layer's adapters: `(module, "A"|"B", how, where, tensor)` rows for `_assemble`."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    out: list[tuple] = []
+    if lora.expert:
+        match = _EXPERT_HF.match(lora.hf_names[0])
+        assert match is not None, lora.hf_names[0]
+        module = match["path"] + (".base_layer" if lora.column else "")
+        e = int(match["e"])
+        out += [(module, "A", "expert", e, value(lora.A[0])), (module, "B", "expert", e, value(lora.B[0]))]
+        return out
+    for j, (a, b) in enumerate(zip(lora.A, lora.B, strict=True)):
+        module = lora.hf_names[j].removesuffix(".weight")
+        if lora.column:
+            out.append((module, "A", "whole", None, value(a)))
+            rows = lora.rows[j].hf if lora.rows is not None else None
+            if rows is None and lora.tp:
+                rows = torch.arange(b.shape[0]) + tp_rank * b.shape[0]
+            out.append((module, "B", "rows", rows, value(b)))
+        else:
+            out.append((module, "A", "columns", tp_rank * a.shape[1] if lora.tp else 0, value(a)))
+            out.append((module, "B", "whole", None, value(b)))
+    return out
+
+
+def _assemble(pieces: list[tuple], num_experts: int) -> dict[str, torch.Tensor]:
+    """peft's state dict from every rank's pieces."""
+    parts: dict[tuple[str, str], dict] = {}
+    for module, which, how, where, tensor in pieces:
+        parts.setdefault((module, which), {"how": how, "items": []})["items"].append((where, tensor))
+    out = {}
+    for (module, which), part in sorted(parts.items()):
+        items = part["items"]
+        if part["how"] == "whole" or (part["how"] == "rows" and items[0][0] is None):  # replicated, or one rank's
+            full = items[0][1]
+        elif part["how"] == "rows":  # B sharded over tensor-parallel ranks: each piece's rows of the HF projection
+            full = torch.zeros(max(int(w.max()) for w, _ in items) + 1, items[0][1].shape[1])
+            for w, t in items:
+                full[w] = t
+        elif part["how"] == "columns":
+            width = {off: t for off, t in items}
+            full = torch.cat([width[off] for off in sorted(width)], dim=1)
+        else:  # experts: A [E·r, in] expert-major; B [out, r·E] expert-minor
+            per_expert = dict(items)
+            stacked = torch.stack([per_expert[e] for e in range(num_experts)])
+            full = stacked.reshape(-1, stacked.shape[-1]) if which == "A" else stacked.permute(1, 2, 0).reshape(
+                stacked.shape[1], -1
+            )
+        out[f"base_model.model.{module}.lora_{which}.weight"] = full.contiguous()
+    return out
+
+
+def peft_state_dict(
+    chunks: list[Any], num_experts: int, value: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The adapters of `chunks` as peft names them, on rank 0 (None elsewhere). Collective. `value(param)`: what
+    to take of each adapter parameter (default: its value; e.g. its gradient)."""
+    take = value or (lambda p: p.detach())
+    mine = [piece for lora in lora_modules(chunks) for piece in _pieces(lora, lambda p: take(p).float().cpu())]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            return None
+        mine = [piece for part in gathered for piece in part]
+    return _assemble(mine, num_experts)
+
+
+def adapter_config(options: Any, state: dict[str, torch.Tensor], base_model: str) -> dict[str, Any]:
+    """`adapter_config.json` for `state`: the adapted modules by full name, routed experts as peft's
+    `target_parameters`."""
+    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in state})
+    experts = any(m.endswith(".experts") or m.endswith(".experts.base_layer") for m in modules)
+    dense_mlp = [m for m in modules if m.rsplit(".", 1)[-1] in _MOE_RENAMED]
+    if experts and dense_mlp:
+        raise ValueError(
+            f"adapters on a dense layer's MLP ({dense_mlp[0]}, ...) cannot be written for peft beside the routed "
+            "experts': on transformers 5, peft maps the names gate_proj/up_proj/down_proj to the fused experts, so "
+            "it would load them nowhere; train with model.lora.targets without mlp, or export the merged model"
+        )
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": options.rank,
+        "lora_alpha": options.alpha,
+        "lora_dropout": options.dropout,
+        "bias": "none",
+        "target_modules": [m for m in modules if ".experts" not in m],
+        "target_parameters": list(EXPERT_PARAMETERS) if experts else None,
+    }
+
+
+def save_peft_adapter(chunks: list[Any], options: Any, num_experts: int, out_dir: Path, base_model: str) -> None:
+    """Write the adapters of `chunks` as a peft adapter directory (rank 0 writes). Collective."""
+    from safetensors.torch import save_file
+
+    state = peft_state_dict(chunks, num_experts)
+    if state is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / ADAPTER_WEIGHTS))
+    config = adapter_config(options, state, base_model)
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
