@@ -165,3 +165,47 @@ def test_disaggregated_job_trains_on_n1_and_serves_on_n2(cluster: str, model: Pa
         # Step 1: the served weights are the trainer's (fp32 both sides); step 2: one version behind.
         assert r["mismatch/logp_abs_diff"] < (1e-3 if r["step"] == 1 else 0.1)
     assert (run / "checkpoints" / "step_000000002" / "COMPLETE").is_file()
+
+
+def test_disaggregated_job_launches_a_judge_side_model_and_the_trainer_uses_it(
+    cluster: str, model: Path, sglang_python: str, tmp_path: Path
+) -> None:
+    """scripts/slurm/disaggregated.sbatch on 2 nodes x 2 devices: n1 trains (2 ranks), n2 serves the rollout server on
+    its first device and a frozen judge (rollout.side_models, another tiny checkpoint, no urls) on its last, both with
+    the job's API key. The trainer gets the judge's URL (rollout.side_models.0.urls=[...]); `side:judge` in the judge
+    reward resolves to it, and every sample of the step is sent to the judge server (its access log)."""
+    import yaml
+
+    judge = make_tiny_qwen3_moe(tmp_path / "judge", seed=7)
+    config = yaml.safe_load((REPO / "examples" / "tiny_moe_gspo.yaml").read_text())
+    config["rollout"]["side_models"] = [{"name": "judge", "hf_path": str(judge)}]
+    config["data"]["reward"] = [
+        {"name": "synthetic"},
+        {"name": "judge", "weight": 0.5,
+         "options": {"url": "side:judge", "template": "{response} Verdict:", "max_new_tokens": 4, "retries": 0}},
+    ]  # fmt: skip
+    config["data"]["reward_failure_limit"] = 1.0  # a random judge writes no verdict: each reply is a failed sample
+    (tmp_path / "judged.yaml").write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    overrides = (
+        f"model.hf_path={model} warmup.sft_steps=0 trainer.steps=1 trainer.save_every=1 rollout.prompts_per_step=2 "
+        "rollout.n_samples=2 data.eval=null data.eval_every=0 logging.wandb=false logging.plot=false"
+    )
+    env = {**os.environ, "CONFIG": str(tmp_path / "judged.yaml"), "RUN_DIR": str(run), "GPUS_PER_NODE": "2",
+           "ROLLOUT_NODES": "1", "OVERRIDES": overrides, "SGLANG_PYTHON": sglang_python, "HEALTH_TIMEOUT": "300",
+           "SGLANG_EXTRA_ARGS": "--device cpu --dtype float32 --disable-overlap-schedule --max-total-tokens 4096 "
+                                "--skip-server-warmup"}  # fmt: skip
+    cmd = ["sbatch", "--parsable", "--wait", "--nodes=2", "--cpus-per-task=2", "--export=ALL",
+           f"--output={tmp_path / 'job-%j.out'}", str(REPO / "scripts" / "slurm" / "disaggregated.sbatch")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    job = int(proc.stdout.strip().splitlines()[0].split(";")[0])
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert proc.returncode == 0, out[-3000:]
+    logs = run / "logs" / f"{job}_0"
+    plan = (logs / "plan.txt").read_text()
+    assert "node 1: port 30000, GPUs [0]" in plan and "side model judge: node 1, port 30300, GPUs [1]" in plan
+    assert "side models healthy: rollout.side_models.0.urls=[http://n2:30300]" in out
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1] and "reward/judge_errors" in history[0]
+    judged = (logs / "side_0_n2_30300.log").read_text()
+    assert judged.count('"POST /v1/chat/completions HTTP/1.1" 200') == 4, judged[-3000:]  # 2 prompts x 2 samples
