@@ -1,5 +1,5 @@
 """The model's architecture facts, asked of its registered family: `model_dims`, `max_positions`, `is_moe`,
-`check_same_architecture`.
+`check_same_architecture`, `same_architecture`.
 
 Every consumer (launch planner, rollout engines, config validation, checkpoint loading) asks here instead of
 reading HF config keys itself. Importing this module registers the families; it does not import Megatron.
@@ -84,3 +84,12 @@ def check_same_architecture(expected: HFConfig, got: HFConfig, where: str | Path
             keys = f.metadata.get("hf_keys", (f.name,))
             key = next((k for k in keys if k in got), keys[0])
             raise mismatch(key, getattr(have, f.name), getattr(want, f.name))
+
+
+def same_architecture(expected: HFConfig, got: HFConfig) -> bool:
+    """Whether `got` describes the model built from `expected` (`check_same_architecture` as a question)."""
+    try:
+        check_same_architecture(expected, got, "")
+    except WeightMismatchError:
+        return False
+    return True
