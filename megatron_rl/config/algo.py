@@ -32,7 +32,8 @@ class DistillConfig:
     sglang_urls: tuple[str, ...] = setting(
         (),
         help="served_by=sglang: running servers of the teacher (one, or a router: each URL scores the whole batch), "
-        "with rollout.sglang's API key; empty = launch one on sglang_port with rollout.sglang's settings",
+        "with rollout.sglang's API key, or side:<name> (a rollout.side_models entry); empty = launch one on "
+        "sglang_port with rollout.sglang's settings",
     )
     sglang_port: int = setting(30200, help="served_by=sglang: port of the launched teacher server", ge=1, le=65535)
     coef: float = setting(

@@ -104,6 +104,11 @@ def check_side_models(cfg: Any, errors: list[str]) -> None:
                 f"algo.distill.sglang_urls: {ref!r} serves {by_name[name].hf_path!r}, not algo.distill.teacher="
                 f"{cfg.algo.distill.teacher!r}: point both at the same checkpoint"
             )
+        elif key == "algo.distill.sglang_urls" and max(by_name[name].num_servers, len(by_name[name].urls)) > 1:
+            errors.append(
+                f"algo.distill.sglang_urls: {ref!r} has several servers, and each teacher URL scores the whole batch: "
+                "give the teacher side model one server"
+            )
 
 
 def launched(side_models: tuple[SideModel, ...]) -> list[int]:

@@ -25,20 +25,20 @@ def _judge_reward(url: str) -> str:
 def test_an_index_override_fills_one_side_models_urls_and_side_names_resolve_to_them() -> None:
     cfg = _load(
         "rollout.side_models=[{name: judge, hf_path: /models/judge}, {name: teacher, hf_path: /models/teacher}]",
-        "rollout.side_models.1.urls=[http://n2:30300,http://n2:30301]",
-        "rollout.side_models.0.urls=[http://n2:30302]",
+        "rollout.side_models.1.urls=[http://n2:30300]",
+        "rollout.side_models.0.urls=[http://n2:30301]",
         _judge_reward("side:judge"),
         "algo.distill.teacher=/models/teacher",
         "algo.distill.served_by=sglang",
         "algo.distill.sglang_urls=[side:teacher]",
     )
     judge, teacher = cfg.rollout.side_models
-    assert (judge.urls, teacher.urls, teacher.tp) == (("http://n2:30302",), ("http://n2:30300", "http://n2:30301"), 1)
+    assert (judge.urls, teacher.urls, teacher.tp) == (("http://n2:30301",), ("http://n2:30300",), 1)
     assert side_urls("side:teacher", cfg.rollout.side_models) == teacher.urls
     assert side_urls("http://x:1", cfg.rollout.side_models) == ("http://x:1",)
     resolved = with_side_urls(cfg, "/run/.rollout_api_key")
-    assert resolved.data.reward[0].options == {"url": "http://n2:30302", "api_key_file": "/run/.rollout_api_key"}
-    assert resolved.algo.distill.sglang_urls == teacher.urls
+    assert resolved.data.reward[0].options == {"url": "http://n2:30301", "api_key_file": "/run/.rollout_api_key"}
+    assert resolved.algo.distill.sglang_urls == ("http://n2:30300",)
     assert cfg.data.reward[0].options == {"url": "side:judge"}  # the loaded config keeps the reference
 
 
@@ -79,6 +79,9 @@ def test_side_models_without_urls_are_the_launched_ones_and_cannot_resolve_yet()
         (("rollout.side_models=[{name: t, hf_path: /other}]", "algo.distill.teacher=/models/teacher",
           "algo.distill.served_by=sglang", "algo.distill.sglang_urls=[side:t]"),
          "'side:t' serves '/other', not algo.distill.teacher='/models/teacher'"),
+        (("rollout.side_models=[{name: t, hf_path: /models/teacher, num_servers: 2}]",
+          "algo.distill.teacher=/models/teacher", "algo.distill.served_by=sglang", "algo.distill.sglang_urls=[side:t]"),
+         "each teacher URL scores the whole batch"),
     ],
 )  # fmt: skip
 def test_bad_side_models_and_references_are_refused_in_one_line(overrides: tuple[str, ...], message: str) -> None:
