@@ -20,7 +20,7 @@ from megatron_rl.config.loader import load_config
 from megatron_rl.config.schema import RewardSpec
 from megatron_rl.rollout.plugin_check import check_plugins
 from megatron_rl.rollout.rewards import RewardFailureError, RewardSet, compute_rewards
-from megatron_rl.rollout.rewards.judge import judge, parse_verdict
+from megatron_rl.rollout.rewards.judge import JudgeError, judge, parse_verdict
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
@@ -80,14 +80,19 @@ class _JudgeDouble(BaseHTTPRequestHandler):
         pass
 
 
+_SERVED: dict[str, type[_JudgeDouble]] = {}  # url -> its handler class (its request count)
+
+
 @contextmanager
 def judge_server(fail_first: int = 0) -> Iterator[str]:
     handler = type("Judge", (_JudgeDouble,), {"fail_first": fail_first, "requests": 0, "lock": threading.Lock()})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)  # bound and listening before the thread starts
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _SERVED[url] = handler
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield url
     finally:
         server.shutdown()
         thread.join()
@@ -111,6 +116,23 @@ def test_a_judge_server_scores_a_batch_and_a_flaky_one_is_retried(tokenizer) -> 
         stats = compute_rewards(batch, reward, tokenizer, failure_limit=0.5)
         assert [s.reward for s in batch] == [1.0, 0.0, 1.0, 0.0]  # the garbled one: no verdict, a failure scoring 0
         assert stats.errors == 1
+
+
+def test_a_judge_of_several_servers_spreads_the_batch_over_them(tokenizer) -> None:
+    """`url` as a list (what `side:<name>` of a side model with several servers becomes): each server gets its share."""
+    cases = [("42", "42"), ("41", "42"), ("7", "7"), ("8", "7")]
+    with judge_server() as first, judge_server() as second:
+        reward = RewardSet.from_specs([RewardSpec("judge", 1.0, {"url": [first, second], "concurrency": 2})])
+        batch = _samples(tokenizer, cases)
+        compute_rewards(batch, reward, tokenizer, failure_limit=0.0)
+        assert [s.reward for s in batch] == [1.0, 0.0, 1.0, 0.0]
+        assert [_requests(first), _requests(second)] == [2, 2]
+    with pytest.raises(JudgeError, match="names a side model the trainer resolves"):
+        judge(["q"], ["a"], ["q"], url="side:judge")
+
+
+def _requests(url: str) -> int:
+    return _SERVED[url].requests
 
 
 def test_the_local_engine_judge_fails_unreadable_verdicts_into_the_failure_limit(tmp_path: Path, tokenizer) -> None:
