@@ -73,6 +73,7 @@ class LoRASlices(nn.Module):
         # what the layer is (set by `install_lora`): its weight's global name and HF tensors, its kind
         self.weight_name, self.column, self.expert, self.tp = "", True, False, False
         self.hf_names: tuple[str, ...] = ()
+        self.local_rows: torch.Tensor | None = None  # one slice: this rank's rows of the full weight
 
     def _apply(self, fn, recurse=True):  # keep fp32 under Float16Module's cast; device moves still apply
         dtypes = [p.dtype for p in self.parameters()]
@@ -82,9 +83,10 @@ class LoRASlices(nn.Module):
                 p.data = p.data.to(dtype)
         return self
 
-    def up(self, h: list[torch.Tensor]) -> torch.Tensor:
-        """`[..., out(/tp)]`: the slices' `B_j h_j`, placed at their rows, times the scale."""
-        outs = [hj @ b.t() for hj, b in zip(h, self.B, strict=True)]
+    def up(self, h: list[torch.Tensor], b: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`[..., out(/tp)]`: the slices' `B_j h_j` (`b`: the B's to use, default this module's), placed at their
+        rows, times the scale."""
+        outs = [hj @ bj.t() for hj, bj in zip(h, b if b is not None else self.B, strict=True)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self._order is not None:
             out = out.index_select(-1, self._order.to(out.device))
@@ -99,10 +101,28 @@ class LoRASlices(nn.Module):
         return out * self.scale
 
 
-def _tp() -> tuple[int, int]:
+def _tp(expert: bool = False) -> tuple[int, int]:
+    """This rank's place in the (expert) tensor-parallel group."""
     from megatron.core import parallel_state as ps
 
+    if expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _summed_grad(t: torch.Tensor, lora: LoRASlices) -> torch.Tensor:
+    """`t` (an adapter replicated over the expert tensor-parallel group), its gradient summed over that group.
+
+    A routed expert's layer communicates nothing itself: fc1's input is whole on every rank and its output rows
+    are split, fc2's input is split and its output a partial sum the dispatcher reduces. The branch follows suit
+    (fc2's `x_r A_rᵀ Bᵀ` is a partial sum too); only the replicated factor (fc1's A, fc2's B) needs its
+    gradient, a partial on each rank, summed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
+
+    if not (lora.expert and lora.tp):
+        return t
+    return mappings.copy_to_tensor_model_parallel_region(t, group=ps.get_expert_tensor_parallel_group())
 
 
 def _column_forward(linear: Any, lora: LoRASlices, forward: Any):
@@ -113,8 +133,8 @@ def _column_forward(linear: Any, lora: LoRASlices, forward: Any):
         if not lora.enabled:
             return output, bias
         x = input_
-        tp = _tp()[1] > 1 and not linear.explicit_expert_comm
-        a = list(lora.A)
+        tp = lora.tp and not lora.expert
+        a = [_summed_grad(t, lora) for t in lora.A]
         if tp:
             x = (mappings.gather_from_sequence_parallel_region(x) if linear.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(x))  # fmt: skip
@@ -132,11 +152,11 @@ def _row_forward(linear: Any, lora: LoRASlices, forward: Any):
         output, bias = forward(input_, *args, **kwargs)
         if not lora.enabled:
             return output, bias
-        tp = _tp()[1] > 1 and not linear.explicit_expert_comm
+        tp = lora.tp and not lora.expert
         h = input_.float() @ lora.A[0].t()
         if tp:
             h = mappings.reduce_from_tensor_model_parallel_region(h)
-        delta = lora.up([h])
+        delta = lora.up([h], b=[_summed_grad(lora.B[0], lora)])
         if tp and linear.sequence_parallel:
             delta = mappings.scatter_to_sequence_parallel_region(delta)
         return output + delta.to(output.dtype), bias
@@ -153,8 +173,10 @@ def grouped_delta(
     if adapters[0] is None or not adapters[0].enabled:
         return None
     x = hidden.float()
-    h = grouped_linear(x, counts, [a.A[0] for a in adapters], gemm)
-    return grouped_linear(h, counts, [a.B[0] for a in adapters], gemm) * adapters[0].scale
+    replicated = adapters[0].column  # fc1: A whole on every expert-TP rank; fc2: B
+    a = [_summed_grad(m.A[0], m) if replicated else m.A[0] for m in adapters]
+    b = [m.B[0] if replicated else _summed_grad(m.B[0], m) for m in adapters]
+    return grouped_linear(grouped_linear(x, counts, a, gemm), counts, b, gemm) * adapters[0].scale
 
 
 def _kaiming_a(rank: int, fan_in: int, seed_name: str) -> torch.Tensor:
@@ -234,19 +256,17 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
             column = isinstance(linear, ColumnParallelLinear)
             if not (column or isinstance(linear, RowParallelLinear)) or _target(local_name, options.targets) is None:
                 continue
-            if linear.explicit_expert_comm and linear.tp_size > 1:
-                raise NotImplementedError("LoRA on routed experts with expert tensor parallelism > 1")
             name = global_name(c, f"{local_name}.weight")
             expert = _EXPERT_PATH in local_name
             rule = weights.rule(name)
             build = _column_adapter if column else _row_adapter
-            lora = build(linear, options, name, None if expert else rule, shard)
+            lora = build(linear, options, name, rule, shard)
             lora.weight_name, lora.hf_names, lora.column, lora.expert = name, rule.hf, column, expert
-            lora.tp = _tp()[1] > 1 and not linear.explicit_expert_comm
+            lora.tp = _tp(expert)[1] > 1
             for t in lora.parameters():
                 t.data = t.data.to(linear.weight.device)
-                if expert:  # as Megatron marks the experts' weights (reduced over the expert-data-parallel group)
-                    _mark_like_expert_weight(t, linear.weight)
+                if expert:  # reduced over the expert-data-parallel group, as Megatron marks the experts' weights
+                    t.allreduce = getattr(linear.weight, "allreduce", True)  # type: ignore[attr-defined]
             linear.forward = (_column_forward if column else _row_forward)(linear, lora, linear.forward)
             linear.lora = lora
             adapted += 1
@@ -258,17 +278,19 @@ def _column_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, sha
     `[r, in]`, B over the slice's rows of this rank."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    rank, size = _tp()
+    expert = bool(linear.is_expert)
     weight = linear.weight
-    tp = size > 1 and not linear.explicit_expert_comm
-    full_rows = weight.shape[0] * (size if tp else 1)
+    tp = _tp(expert)[1] > 1
+    full_rows = weight.shape[0] * (_tp(expert)[1] if tp else 1)
+    ids = torch.arange(full_rows, dtype=torch.float64).unsqueeze(1)
+    local_ids = shard(ids, weight, rule, expert=expert).squeeze(1).long()  # this rank's rows of the full weight
     slices = None
-    if rule is not None and len(rule.hf) > 1:
-        ids = torch.arange(full_rows, dtype=torch.float64).unsqueeze(1)
-        slices = _slice_rows(rule, shard(ids, weight, rule).squeeze(1).long(), full_rows)
+    if not expert and len(rule.hf) > 1:  # a routed expert's fc1 keeps one adapter over gate and up (peft's)
+        slices = _slice_rows(rule, local_ids, full_rows)
     a = [_kaiming_a(options.rank, weight.shape[1], f"{name}.lora_A.{j}") for j in range(len(slices or [0]))]
     b_rows = [weight.shape[0]] if slices is None else [int(s.local.numel()) for s in slices]
     lora = LoRASlices(a, b_rows, options.alpha / options.rank, slices)
+    lora.local_rows = local_ids if slices is None else None
     if tp:
         for t in lora.B:
             set_tensor_model_parallel_attributes(t, True, 0, 1)
@@ -279,20 +301,12 @@ def _row_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, shard:
     """A row-parallel layer's adapter: A `[r, in/tp]` (this rank's columns of the full A), B replicated."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    rank, size = _tp()
+    rank, size = _tp(bool(linear.is_expert))
     weight = linear.weight
-    tp = size > 1 and not linear.explicit_expert_comm
+    tp = size > 1
     full = _kaiming_a(options.rank, weight.shape[1] * (size if tp else 1), f"{name}.lora_A.0")
     lora = LoRASlices([full.chunk(size, dim=1)[rank] if tp else full], [weight.shape[0]], options.alpha / options.rank,
                       None)  # fmt: skip
     if tp:
         set_tensor_model_parallel_attributes(lora.A[0], True, 1, 1)
     return lora
-
-
-def _mark_like_expert_weight(t: torch.Tensor, weight: torch.Tensor) -> None:
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    t.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]
-    if getattr(weight, "tensor_model_parallel", False):
-        set_tensor_model_parallel_attributes(t, True, 0, 1)

@@ -36,53 +36,56 @@ def _pieces(lora: LoRASlices, value: Callable[[torch.Tensor], torch.Tensor]) -> 
     """This rank's part of one layer's adapters: `(module, "A"|"B", how, where, tensor)` rows for `_assemble`."""
     from megatron.core import parallel_state as ps
 
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank = ps.get_expert_tensor_parallel_rank() if lora.expert else ps.get_tensor_model_parallel_rank()
     out: list[tuple] = []
-    if lora.expert:
+    module: str = ""
+    e: int | None = None
+    if lora.expert:  # one module per layer's experts (peft's fused layout); `where` = (expert, rows or column offset)
         match = _EXPERT_HF.match(lora.hf_names[0])
         assert match is not None, lora.hf_names[0]
-        module = match["path"] + (".base_layer" if lora.column else "")
-        e = int(match["e"])
-        out += [(module, "A", "expert", e, value(lora.A[0])), (module, "B", "expert", e, value(lora.B[0]))]
-        return out
+        module, e = match["path"] + (".base_layer" if lora.column else ""), int(match["e"])
     for j, (a, b) in enumerate(zip(lora.A, lora.B, strict=True)):
-        module = lora.hf_names[j].removesuffix(".weight")
+        if not lora.expert:
+            module, e = lora.hf_names[j].removesuffix(".weight"), None
         if lora.column:
-            out.append((module, "A", "whole", None, value(a)))
-            rows = lora.rows[j].hf if lora.rows is not None else None
-            if rows is None and lora.tp:
-                rows = torch.arange(b.shape[0]) + tp_rank * b.shape[0]
-            out.append((module, "B", "rows", rows, value(b)))
+            rows = lora.rows[j].hf if lora.rows is not None else lora.local_rows
+            out.append((module, "A", "whole", e, value(a)))
+            out.append((module, "B", "rows", (e, rows), value(b)))
         else:
-            out.append((module, "A", "columns", tp_rank * a.shape[1] if lora.tp else 0, value(a)))
-            out.append((module, "B", "whole", None, value(b)))
+            out.append((module, "A", "columns", (e, tp_rank * a.shape[1] if lora.tp else 0), value(a)))
+            out.append((module, "B", "whole", e, value(b)))
     return out
 
 
 def _assemble(pieces: list[tuple], num_experts: int) -> dict[str, torch.Tensor]:
     """peft's state dict from every rank's pieces."""
-    parts: dict[tuple[str, str], dict] = {}
-    for module, which, how, where, tensor in pieces:
-        parts.setdefault((module, which), {"how": how, "items": []})["items"].append((where, tensor))
-    out = {}
-    for (module, which), part in sorted(parts.items()):
+    parts: dict[tuple[str, str, int | None], dict] = {}
+    for module, which, how, where, tensor in pieces:  # `where`: the expert (or None), and a shard's place
+        expert = where[0] if isinstance(where, tuple) else where
+        place = where[1] if isinstance(where, tuple) else None
+        parts.setdefault((module, which, expert), {"how": how, "items": []})["items"].append((place, tensor))
+    full: dict[tuple[str, str, int | None], torch.Tensor] = {}
+    for key, part in parts.items():
         items = part["items"]
-        if part["how"] == "whole" or (part["how"] == "rows" and items[0][0] is None):  # replicated, or one rank's
-            full = items[0][1]
-        elif part["how"] == "rows":  # B sharded over tensor-parallel ranks: each piece's rows of the HF projection
-            full = torch.zeros(max(int(w.max()) for w, _ in items) + 1, items[0][1].shape[1])
+        if part["how"] == "whole" or items[0][0] is None:  # replicated, or held whole by one rank
+            full[key] = items[0][1]
+        elif part["how"] == "rows":  # B split over tensor-parallel ranks: each piece's rows of the full tensor
+            full[key] = torch.zeros(max(int(w.max()) for w, _ in items) + 1, items[0][1].shape[1])
             for w, t in items:
-                full[w] = t
-        elif part["how"] == "columns":
-            width = {off: t for off, t in items}
-            full = torch.cat([width[off] for off in sorted(width)], dim=1)
-        else:  # experts: A [E·r, in] expert-major; B [out, r·E] expert-minor
-            per_expert = dict(items)
-            stacked = torch.stack([per_expert[e] for e in range(num_experts)])
-            full = stacked.reshape(-1, stacked.shape[-1]) if which == "A" else stacked.permute(1, 2, 0).reshape(
+                full[key][w] = t
+        else:  # A split by input columns
+            by_offset = {off: t for off, t in items}
+            full[key] = torch.cat([by_offset[off] for off in sorted(by_offset)], dim=1)
+    out = {}
+    for module, which in sorted({(m, w) for m, w, _ in full}):
+        if (module, which, None) in full:
+            tensor = full[module, which, None]
+        else:  # a layer's experts, as peft's ParamWrapper holds them: A [E·r, in] expert-major, B [out, r·E]
+            stacked = torch.stack([full[module, which, e] for e in range(num_experts)])
+            tensor = stacked.reshape(-1, stacked.shape[-1]) if which == "A" else stacked.permute(1, 2, 0).reshape(
                 stacked.shape[1], -1
             )
-        out[f"base_model.model.{module}.lora_{which}.weight"] = full.contiguous()
+        out[f"base_model.model.{module}.lora_{which}.weight"] = tensor.contiguous()
     return out
 
 

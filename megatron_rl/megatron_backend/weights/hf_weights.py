@@ -127,9 +127,14 @@ def _shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule, rank: int,
     return full.chunk(size, dim=dim)[rank]
 
 
-def tp_shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule) -> torch.Tensor:
-    """This rank's slice of the full Megatron tensor of `param` (a dense, non-expert layer's)."""
-    tp_rank, tp_size, _, _ = _rank_info()
+def tp_shard(full: torch.Tensor, param: torch.Tensor, rule: WeightRule, *, expert: bool = False) -> torch.Tensor:
+    """This rank's slice of the full Megatron tensor of `param` (split over the expert tensor-parallel group for a
+    routed expert's)."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size, etp_rank, _ = _rank_info()
+    if expert:
+        return _shard(full, param, rule, etp_rank, ps.get_expert_tensor_parallel_world_size())
     return _shard(full, param, rule, tp_rank, tp_size)
 
 

@@ -45,6 +45,15 @@ def single_process(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     return _run(tiny_moe_dir, tmp_path_factory.mktemp("layouts") / "single.json", 1, [])
 
 
+LORA = ["--lora-rank", "4"]
+
+
+@pytest.fixture(scope="module")
+def single_process_lora(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("layouts") / "single_lora.json"
+    return {**_run(tiny_moe_dir, out, 1, LORA), "out": str(out)}
+
+
 def test_single_process_invariants(single_process: dict) -> None:
     assert single_process["export_equal"], "HF -> Megatron -> HF export is not bitwise equal"
     first = single_process["steps"][0]
@@ -82,8 +91,28 @@ def _assert_packing_matches_padding(name: str, packing: dict) -> None:
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp2_recompute_full" else n for n in sorted(LAYOUTS)]
 )
 def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe_dir: Path, tmp_path: Path) -> None:
-    got = _run(tiny_moe_dir, tmp_path / f"{name}.json", 2, LAYOUTS[name])
-    ref = single_process
+    _assert_layout_matches(name, _run(tiny_moe_dir, tmp_path / f"{name}.json", 2, LAYOUTS[name]), single_process)
+
+
+@pytest.mark.parametrize("name", ["tp2_sp", "ep2", "pp2", "dp2_distopt"])
+def test_lora_layout_matches_single_process(
+    name: str, single_process_lora: dict, tiny_moe_dir: Path, tmp_path: Path
+) -> None:
+    """LoRA (rank 4 on attention, the dense MLP and every expert; the base frozen): the same checks, and the
+    adapters' updates move the policy in every layout as in the single process."""
+    ref = single_process_lora
+    losses = [s["loss"] for s in ref["steps"]]
+    assert losses[-1] < losses[0] and ref["steps"][0]["ppo_kl"] == 0.0 and ref["policy_moved"]
+    out = tmp_path / f"lora_{name}.json"
+    _assert_layout_matches(name, _run(tiny_moe_dir, out, 2, [*LAYOUTS[name], *LORA]), ref)
+    # the trained adapters, gathered from this layout's shards into peft's format, are the single process's
+    got, want = torch.load(f"{out}.adapters.pt"), torch.load(f"{ref['out']}.adapters.pt")
+    assert got.keys() == want.keys() and len(got) == 2 * (4 * 4 + 3 * 2 + 3)  # A, B: q/k/v/o, experts, dense MLP
+    for key, tensor in want.items():
+        assert (got[key] - tensor).abs().max() < 1e-6, f"{name}: adapter {key} differs from the single process"
+
+
+def _assert_layout_matches(name: str, got: dict, ref: dict) -> None:
     lp_err = (torch.tensor(got["log_probs"]) - torch.tensor(ref["log_probs"])).abs().max().item()
     ent_err = (torch.tensor(got["entropy"]) - torch.tensor(ref["entropy"])).abs().max().item()
     assert lp_err < 5e-6, f"{name}: log-prob error {lp_err}"

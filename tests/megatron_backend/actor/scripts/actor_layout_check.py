@@ -23,10 +23,12 @@ def main() -> None:
     parser.add_argument("--distributed-optimizer", type=int, default=1)
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
 
     from megatron_rl.algorithms import policy_loss
     from megatron_rl.algorithms.distillation import topk_kl
+    from megatron_rl.config.options import LoRAOptions
     from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
@@ -44,6 +46,7 @@ def main() -> None:
             lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)
         ),
         micro_batch_tokens=64,
+        lora=LoRAOptions(rank=args.lora_rank) if args.lora_rank else None,
     )
     from safetensors.torch import load_file
 
@@ -93,7 +96,8 @@ def main() -> None:
             before = actor.compute_log_probs(batch).log_probs
             moved = actor.offload()
             params = [p for module in actor.modules for p in module.parameters()]
-            freed = all(t.untyped_storage().nbytes() == 0 for p in params for t in (p, p.main_grad))
+            grads = [p.main_grad for p in params if p.requires_grad]  # LoRA: the frozen base has none
+            freed = all(t.untyped_storage().nbytes() == 0 for t in [*params, *grads])
             actor.reload()
             same = torch.equal(actor.compute_log_probs(batch).log_probs, before)
             offload = {"bytes": moved.bytes, "freed": freed, "bitwise": same}
@@ -105,6 +109,13 @@ def main() -> None:
     with reference.swapped_in() as ref_actor:
         ref_log_probs = ref_actor.compute_log_probs(batch).log_probs
     after = actor.compute_log_probs(batch).log_probs
+    adapters = None
+    if args.lora_rank:  # the trained adapters in peft's format, gathered over every layout's shards
+        from megatron_rl.megatron_backend.lora.peft_format import peft_state_dict
+
+        adapters = peft_state_dict(actor.chunks, actor.family.weight_map(actor.hf_config).num_experts)
+        if adapters is not None:
+            torch.save(adapters, f"{args.out}.adapters.pt")
 
     if torch.distributed.get_rank() == 0:
         json.dump(
