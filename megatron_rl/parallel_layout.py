@@ -196,6 +196,24 @@ class ParallelLayout:
         ModelParallelConfig will carry (`to_model_parallel_config_kwargs` sets False with vpp).
         """
         resolved = self.resolve(world_size)
+        stage_layers = self.check_model(
+            num_layers=num_layers, num_experts=num_experts, num_attention_heads=num_attention_heads,
+            num_query_groups=num_query_groups, is_moe=is_moe, batch_p2p_comm=batch_p2p_comm,
+        )  # fmt: skip
+        return dataclasses.replace(resolved, stage_layers=stage_layers)
+
+    def check_model(
+        self,
+        *,
+        num_layers: int | None = None,
+        num_experts: int | None = None,
+        num_attention_heads: int | None = None,
+        num_query_groups: int | None = None,
+        is_moe: bool = True,
+        batch_p2p_comm: bool = False,
+    ) -> tuple[int, ...] | None:
+        """The model rules of `validate` alone (no world size): a model's sizes against these degrees; its layers per
+        pipeline stage (`stage_layers`), or None when `num_layers` is None. Raises LayoutError saying why."""
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError(
                 f"num_experts={num_experts} is not divisible by ep={self.ep}: every expert-"
@@ -226,7 +244,7 @@ class ParallelLayout:
                 "received where a gradient was sent (wrong losses, no error). Use "
                 "batch_p2p_comm=False (to_model_parallel_config_kwargs does)"
             )
-        return dataclasses.replace(resolved, stage_layers=stage_layers)
+        return stage_layers
 
     @property
     def uneven_stages(self) -> bool:

@@ -172,10 +172,11 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             "algo.distill.coef=0 without a top-k term (algo.distill.top_k and top_k_coef > 0) leaves the teacher "
             "unused: set coef > 0, or top_k > 0"
         )
-    if distill.teacher is not None:
+    if distill.teacher is not None and distill.served_by == "megatron":
         notes.append(
-            f"algo.distill.teacher={distill.teacher}: its weights are kept on the host and swapped into the actor to "
-            "score each step's tokens (as the KL reference is)"
+            f"algo.distill.teacher={distill.teacher}: scores each step's tokens in the actor's parallel layout: with "
+            "the student's architecture its weights are kept on the host and swapped into the actor (as the KL "
+            "reference is), else it is a second model resident on the GPUs"
         )
     if algo.kl_coef > 0:
         notes.append(

@@ -27,6 +27,7 @@ from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.batch import LossFn
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.reference import ReferenceWeights, reference_from_hf
+from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_from_hf
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
@@ -94,7 +95,7 @@ class StepParts:
     loss_fn: LossFn
     memory: ColocatedMemory
     source: RolloutSource = NoRollout()  # rank 0: where its step batches come from (SyncRollout, AsyncRollout)
-    teacher: ReferenceWeights | None = None  # algo.distill.teacher, on the host like the reference
+    teacher: FrozenScorer | None = None  # algo.distill.teacher served by Megatron (host-swapped or resident)
     producer: RolloutProducer | None = None  # async mode, rank 0
     samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
     evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
@@ -335,10 +336,11 @@ def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: 
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 
-def _teacher_weights(cfg: RLConfig, actor: MegatronActor) -> ReferenceWeights | None:
-    """The distillation teacher served by Megatron (`algo.distill.served_by: megatron`): its shard on the host."""
+def _teacher_weights(cfg: RLConfig, actor: MegatronActor) -> FrozenScorer | None:
+    """The distillation teacher served by Megatron (`algo.distill.served_by: megatron`): its shard on the host (the
+    student's architecture), else a second model resident in the actor's layout (`teacher.teacher_from_hf`)."""
     distill = cfg.algo.distill
-    return reference_from_hf(actor, distill.teacher) if distill.teacher and distill.served_by == "megatron" else None
+    return teacher_from_hf(actor, distill.teacher) if distill.teacher and distill.served_by == "megatron" else None
 
 
 def _first_sync(parts: StepParts, state: RunState) -> None:
@@ -416,7 +418,8 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
         entropy = score_old_and_reference(
-            p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
+            p.actor, p.reference, rank, replay, on_policy=on_policy,
+            teacher=p.teacher,  # type: ignore[arg-type]  # it annotates ReferenceWeights; any FrozenScorer scores
             teacher_top_k=cfg.algo.distill.top_k,
         )  # fmt: skip
         distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}

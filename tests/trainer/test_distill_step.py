@@ -1,6 +1,7 @@
 """On-policy distillation with a Megatron teacher (`algo.distill`): the teacher's log-probs of the student's tokens
-are transformers' scores of the teacher checkpoint; a teacher with another tokenizer or architecture is refused
-before the build; in the loop, a teacher equal to the student gives a reverse KL of exactly 0."""
+are transformers' scores of the teacher checkpoint; a teacher with another tokenizer, or of another architecture the
+actor's layout cannot run, is refused before the build; in the loop, a teacher equal to the student gives a reverse
+KL of exactly 0, and a teacher of another size (resident beside the actor) distils."""
 
 from __future__ import annotations
 
@@ -75,12 +76,50 @@ def _train(out: Path, model: Path, *overrides: str) -> subprocess.CompletedProce
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
-def test_a_teacher_of_another_architecture_is_refused_before_the_build(tmp_path: Path) -> None:
+def test_a_teacher_the_actors_layout_cannot_run_is_refused_before_the_build(tmp_path: Path) -> None:
+    """A Megatron teacher of another architecture is built in the actor's layout: 3 query groups at parallel.tp=2
+    are refused by `check_teacher`, naming the key and the fix; the student's own architecture is not checked again."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import load_config
+    from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.trainer.guards.input_guards import InputMismatchError, check_teacher
+
     student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
-    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=1)
-    proc = _train(tmp_path / "run", student, f"algo.distill.teacher={teacher}")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"algo.distill.teacher={teacher}" in proc.stderr and "num_hidden_layers=3" in proc.stderr, proc.stderr
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_attention_heads=6, num_key_value_heads=3),
+                                  seed=2)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    for served, tp in (("megatron", 1), ("local_engine", 2), ("megatron", 2)):
+        overrides = [f"model.hf_path={student}", f"parallel.tp={tp}", f"algo.distill.teacher={teacher}",
+                     f"algo.distill.served_by={served}"]  # fmt: skip
+        cfg = load_config(EXAMPLE, overrides)
+        if tp == 1 or served != "megatron":
+            check_teacher(cfg, tokenizer, read_hf_config(student))  # accepted
+            continue
+        with pytest.raises(InputMismatchError) as err:
+            check_teacher(cfg, tokenizer, read_hf_config(student))
+    message = str(err.value)
+    assert f"algo.distill.teacher={teacher}" in message and "num_query_groups=3 is not divisible by tp=2" in message
+    assert "algo.distill.served_by=sglang" in message and "\n" not in message
+
+
+def test_a_megatron_teacher_of_another_size_distils_in_the_loop(tmp_path: Path) -> None:
+    """A wider, deeper teacher with fewer experts is a second model resident in the actor's layout: with routing
+    replay (R3, the student only) and the top-k term, every step's first update is exactly on-policy and the
+    distillation metrics are logged, its reverse KL far from 0."""
+    student = make_tiny_qwen3_moe(tmp_path / "student", seed=1)
+    spec = TinyQwen3MoeSpec(hidden_size=96, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=3,
+                            num_experts=4)  # fmt: skip
+    teacher = make_tiny_qwen3_moe(tmp_path / "teacher", spec, seed=2)
+    proc = _train(tmp_path / "run", student, f"algo.distill.teacher={teacher}", "algo.distill.top_k=4",
+                  "algo.routing_replay=R3", "algo.replay_check=every_step")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["actor/ppo_kl_first"] == 0.0 and row["distill/reverse_kl"] > 0.1
+        assert row["distill/teacher_logp_mean"] < 0 and row["distill/topk_kl"] > 0
+        assert row["routing/agreement"] >= 0.0
 
 
 def test_a_teacher_path_without_a_model_is_refused(tmp_path: Path) -> None:

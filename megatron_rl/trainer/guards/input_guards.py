@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.models.architecture import check_same_architecture
+from megatron_rl.models.architecture import model_dims, same_architecture
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.parallel_layout import LayoutError
 
 SPECIAL_TOKENS = ("eos", "bos", "pad")
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -135,8 +136,9 @@ def check_same_tokenizer(student: Any, teacher: Any, student_path: str | Path, t
 
 
 def check_teacher(cfg: RLConfig, tokenizer: Any, student_hf: dict[str, Any]) -> None:
-    """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer or architecture is not the
-    student's, before the model build: it is swapped into the student's model, as the KL reference is."""
+    """Refuse a distillation teacher (`algo.distill.teacher`) whose tokenizer is not the student's, or, served by
+    Megatron, of another architecture the actor's parallel layout cannot run (it is built in that layout), before
+    the model build."""
     path = cfg.algo.distill.teacher
     if path is None:
         return
@@ -144,7 +146,14 @@ def check_teacher(cfg: RLConfig, tokenizer: Any, student_hf: dict[str, Any]) -> 
 
     student = cfg.model.tokenizer_path or cfg.model.hf_path
     check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), student, path)
-    if cfg.algo.distill.served_by != "megatron":
+    teacher_hf = read_hf_config(path)
+    if cfg.algo.distill.served_by != "megatron" or same_architecture(student_hf, teacher_hf):
         return
-    where = f"algo.distill.teacher={path} (a teacher runs in the student's model, so it needs its architecture)"
-    check_same_architecture(student_hf, read_hf_config(path), where)
+    try:
+        cfg.parallel.check_model(**model_dims(teacher_hf).layout_checks())
+    except LayoutError as err:
+        raise InputMismatchError(
+            f"algo.distill.teacher={path}: the teacher's {err}; a Megatron teacher runs in the actor's parallel "
+            "layout: choose parallel degrees that fit both models, or set algo.distill.served_by=sglang (or "
+            "local_engine) to serve the teacher with its own"
+        ) from err
