@@ -9,6 +9,7 @@ checkpoint's step: in sync mode with the same engine, the numbers are the run's 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.input_guards import check_positions
 from megatron_rl.trainer.logs.sample_log import eval_rows
 from megatron_rl.trainer.loop import build_actor, init_process_groups, load_tokenizer, prepare_model_dir
-from megatron_rl.trainer.rollout_phase import NoEngine, WeightSync, engine_run, prompt_data
+from megatron_rl.trainer.rollout_phase import NoEngine, WeightSync, engine_run, prompt_data, serve_side_models
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -99,8 +100,10 @@ def evaluate_checkpoint(
     dims = model_dims(hf)
     init_process_groups(cfg, dims)
     engine: Any = NoEngine()
+    side_servers = ExitStack()
     try:
         rank0 = dist.get_rank() == 0
+        cfg = serve_side_models(cfg, side_servers)  # a judge named side:<name>, as `train` resolves it
         tokenizer = load_tokenizer(cfg, dims.vocab_size)
         data = prompt_data(cfg, tokenizer)
         check_positions(cfg, data, max_positions(hf))
@@ -128,6 +131,7 @@ def evaluate_checkpoint(
         return EvalResult(step, metrics, out, files)
     finally:
         engine.shutdown()
+        side_servers.close()
         shutdown()
 
 

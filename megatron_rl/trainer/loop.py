@@ -31,6 +31,7 @@ from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_fro
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
+from megatron_rl.megatron_backend.lora.reference import AdapterReference
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
@@ -61,6 +62,7 @@ from megatron_rl.trainer.rollout_phase import (
     collect_rollout,
     engine_run,
     prompt_data,
+    serve_side_models,
     teacher_engine,
 )
 from megatron_rl.trainer.run_state import RunState
@@ -89,7 +91,7 @@ class StepParts:
     cfg: RLConfig
     actor: MegatronActor
     weights: WeightSync
-    reference: ReferenceWeights | None
+    reference: ReferenceWeights | AdapterReference | None  # the KL reference (LoRA: the base, adapters off)
     data: PromptData
     tokenizer: Any
     loss_fn: LossFn
@@ -250,6 +252,7 @@ def _build_parts(
     tokenizer = load_tokenizer(cfg, dims.vocab_size)
     hf = read_hf_config(model_dir)
     check_teacher(cfg, tokenizer, hf)
+    cfg = serve_side_models(cfg, closing)  # rank 0 launches the side models without urls; side: names resolved
     teacher = teacher_engine(cfg, closing) if dist.get_rank() == 0 else None  # distillation by a local engine
     data = prompt_data(cfg, tokenizer, teacher)  # before the model build: the sequences must fit the model's positions
     positions = max_positions(hf)
@@ -311,6 +314,7 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         optimizer_options=cfg.optimizer,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         balance_quadratic=cfg.trainer.balance_quadratic,
+        lora=cfg.model.lora,
     )
 
 
@@ -328,11 +332,15 @@ def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_u
     return True
 
 
-def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path) -> ReferenceWeights | None:
+def _reference(
+    cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path
+) -> ReferenceWeights | AdapterReference | None:
     """The KL reference (with `algo.kl_coef` > 0): the policy RL starts from, the warmed-up model, else the initial
     one."""
     if cfg.algo.kl_coef <= 0:
         return None
+    if actor.lora is not None:  # the frozen base with the adapters RL starts from (none: the base itself)
+        return AdapterReference(actor, from_warmup=cfg.warmup.sft_steps > 0)
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 

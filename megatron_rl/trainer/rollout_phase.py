@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
+from megatron_rl.config.side_models import launched, with_side_urls
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object
@@ -204,6 +205,45 @@ def teacher_engine(cfg: Any, closing: ExitStack) -> RolloutEngine | None:
     engine = build_engine(rollout, run, Path(distill.teacher), platform.device())
     closing.callback(engine.shutdown)
     return engine
+
+
+def serve_side_models(cfg: Any, closing: ExitStack) -> Any:
+    """`cfg` (an `RLConfig`) with its `side:` references resolved, on every rank. Rank 0 first launches each side
+    model without urls (`rollout.side_models`; stopped when `closing` closes) with rollout.sglang's key file, which
+    the returned config names so that rollout servers launched later share the key."""
+    todo = launched(cfg.rollout.side_models)
+    if not todo:
+        return with_side_urls(cfg, cfg.rollout.sglang.api_key_file)
+    from megatron_rl.rollout.sglang.api_key import launch_api_key_file
+    from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
+
+    sg, out = cfg.rollout.sglang, Path(cfg.trainer.output_dir)
+    if sg.api_key_env:
+        raise ValueError(
+            "rollout.side_models without urls are launched with rollout.sglang.api_key_file's key, but "
+            f"rollout.sglang.api_key_env={sg.api_key_env} names another: give the side models' urls"
+        )
+    key_file = str(launch_api_key_file(sg.api_key_file, out)) if dist.get_rank() == 0 else None
+    urls: dict[int, tuple[str, ...]] = {}
+    if dist.get_rank() == 0:
+        for i in todo:
+            side = cfg.rollout.side_models[i]
+            servers = SGLangServers.launch(
+                SGLangLaunchConfig(
+                    model_path=side.hf_path, python=sg.python, num_servers=side.num_servers,
+                    extra_args=("--tp-size", str(side.tp), "--mem-fraction-static", str(side.mem_fraction_static),
+                                *sg.extra_args),
+                    log_dir=str(out / "side_models" / side.name), startup_timeout_s=sg.startup_timeout_s,
+                    api_key_file=str(key_file),
+                )
+            )  # fmt: skip
+            closing.callback(servers.stop)
+            urls[i] = tuple(servers.urls)
+    urls, key_file = broadcast_object((urls, key_file))
+    models = tuple(dataclasses.replace(m, urls=urls.get(i, m.urls)) for i, m in enumerate(cfg.rollout.side_models))
+    sglang = dataclasses.replace(sg, api_key_file=key_file)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, side_models=models, sglang=sglang))
+    return with_side_urls(cfg, key_file)
 
 
 def engine_run(cfg: Any) -> EngineRun:
