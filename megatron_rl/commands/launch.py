@@ -2,8 +2,9 @@
 
 Which node runs what (trainer ranks with their TP/PP/DP and expert coordinates, SGLang servers, router),
 the per-GPU memory estimate, and every reason an impossible plan fails. Needs no GPU, no SLURM and no
-model weights: only the model's config.json (`--hf-config`, else `model.hf_path`/config.json); every plugin the config
-names (rewards, environment, tools, generate function) is resolved first. The jobs
+model weights: only the model's config.json (`--hf-config`, else `model.hf_path`/config.json) and a Megatron
+distillation teacher's (`--teacher-hf-config`, else in `algo.distill.teacher`); every plugin the config names (rewards,
+environment, tools, generate function) is resolved first. The jobs
 themselves are submitted with the templates in scripts/slurm/, which print this plan first.
 """
 
@@ -23,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout-nodes", type=int, default=0, help="disaggregated: nodes that only serve SGLang")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
     parser.add_argument("--hf-config", help="the model's config.json (default: model.hf_path/config.json)")
+    parser.add_argument(
+        "--teacher-hf-config",
+        help="a Megatron distillation teacher's config.json (default: algo.distill.teacher/config.json when it exists; "
+        "else the teacher is planned as the student's architecture)",
+    )
     parser.add_argument(
         "--emit",
         choices=["text", "shell"],
@@ -55,6 +61,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         hf = json.loads(hf_config.read_text())
     cluster = ClusterSpec(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.rollout_nodes)
-    plan = make_plan(cfg, hf, cluster)
+    plan = make_plan(cfg, hf, cluster, _teacher_config(cfg, args.teacher_hf_config))
     print(shell_plan(plan, cfg) if args.emit == "shell" else format_plan(plan))
     return 0
+
+
+def _teacher_config(cfg, given: str | None) -> dict | None:
+    """The config.json of a teacher served by Megatron (`--teacher-hf-config`, else the teacher's folder), None when
+    there is no such teacher or its folder is not on this machine."""
+    distill = cfg.algo.distill
+    if distill.teacher is None or distill.served_by != "megatron":
+        return None
+    path = Path(given) if given else Path(distill.teacher) / "config.json"
+    if given and not path.is_file():
+        raise FileNotFoundError(f"--teacher-hf-config {path} not found")
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -27,7 +27,7 @@ from megatron_rl.launch.placement import (
     place_servers,
     servers_shell,
 )
-from megatron_rl.models.architecture import model_dims
+from megatron_rl.models.architecture import model_dims, same_architecture
 from megatron_rl.models.family import ModelDims, UnsupportedModelError, get_family
 from megatron_rl.parallel_layout import LayoutError
 
@@ -89,13 +89,15 @@ class MemoryEstimate:
     host_optimizer: float = 0.0  # optimizer.cpu_offload: the state this GPU's optimizer keeps in host memory
     host_per_node: float = 0.0  # host memory per node: every GPU's offloaded state, plus the parked actor
     pcie_seconds_per_step: float = 0.0  # the offloaded optimizer's copies per training step, at ClusterSpec's rate
+    teacher: float = 0.0  # a resident Megatron distillation teacher's weights (another architecture than the actor's)
 
     def lines(self) -> list[str]:
         g = GiB
+        teacher = f"+ teacher {self.teacher / g:.1f} " if self.teacher else ""
         lines = [
             f"  weights {self.weights / g:.1f} + grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
-            f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} = {self.total / g:.1f} GiB "
-            f"of {self.budget / g:.1f} GiB available to training",
+            f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} {teacher}= {self.total / g:.1f} "
+            f"GiB of {self.budget / g:.1f} GiB available to training",
             f"  rollout server weights {self.sglang_weights / g:.1f} GiB per GPU of {self.sglang_budget / g:.1f} GiB "
             f"(rollout.sglang.mem_fraction_static); the rest is KV cache: {self.sglang_kv_token_bytes / 2**10:.1f} "
             f"KiB per token per GPU, ~{self.sglang_kv_tokens / 1e3:.0f}k tokens per server",
@@ -132,8 +134,9 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------- planning
-def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
-    """The plan for `cfg` (RLConfig) of the model `hf` (HF config.json) on `cluster`; PlanError if impossible."""
+def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = None) -> Plan:
+    """The plan for `cfg` (RLConfig) of the model `hf` (HF config.json) on `cluster`; PlanError if impossible.
+    `teacher_hf`: a Megatron distillation teacher's config.json (None: unknown, planned as the student's)."""
     reasons: list[str] = []
     if cluster.nodes < 1 or cluster.gpus_per_node < 1:
         raise PlanError(f"need at least one node and one GPU per node, got {cluster.nodes} x {cluster.gpus_per_node}")
@@ -167,7 +170,8 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
     servers, side_servers, problems = place_servers(cfg, serving, cluster.gpus_per_node, colocated)
     reasons += problems
     router = (servers[0].node, ROUTER_PORT) if len(servers) > 1 else None
-    memory, params = _memory(cfg, dims, _shared_expert_gate(hf, dims), layout, cluster, colocated and sglang)
+    teacher = _resident_teacher(cfg, hf, teacher_hf, world, reasons)
+    memory, params = _memory(cfg, dims, _shared_expert_gate(hf, dims), layout, cluster, colocated and sglang, teacher)
     if layout is not None and memory.total > memory.budget:
         reasons.append(
             f"training needs ~{memory.total / GiB:.1f} GiB per GPU but {memory.budget / GiB:.1f} GiB are available"
@@ -210,8 +214,12 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec) -> Plan:
     distill = cfg.algo.distill
     if distill.teacher is not None:
         notes.append({
-            "megatron": f"distillation teacher swapped from host memory like the KL reference: "
-            f"{memory.weights / GiB:.1f} GiB of host memory per GPU, no extra GPU memory",
+            "megatron": f"distillation teacher of another architecture resident on every GPU in the actor's layout: "
+            f"{memory.teacher / GiB:.1f} GiB of weights per GPU, counted above" if memory.teacher else
+            f"distillation teacher swapped from host memory like the KL reference: {memory.weights / GiB:.1f} GiB of "
+            "host memory per GPU, no extra GPU memory"
+            + ("" if teacher_hf is not None else " (its config.json was not read: pass --teacher-hf-config if it is "
+               "not the student's architecture)"),
             "local_engine": "distillation teacher on the local engine: a second model on rank 0's GPU, not counted "
             "above; prefer served_by=sglang at scale",
             "sglang": "distillation teacher on its own SGLang servers: "
@@ -301,9 +309,28 @@ def _shared_expert_gate(hf: dict, d: ModelDims) -> bool:
     return get_family(hf).weight_map(hf).rule(gate) is not None
 
 
-def _memory(
-    cfg, d: ModelDims, shared_gate: bool, layout, cluster: ClusterSpec, colocated_sglang: bool
-) -> tuple[MemoryEstimate, dict]:
+def _resident_teacher(cfg, hf: dict, teacher_hf: dict | None, world: int, reasons: list[str]) -> float:
+    """Parameters per GPU of a Megatron distillation teacher resident beside the actor (another architecture, built
+    in the actor's layout); 0 for none (no teacher, an engine's, the student's architecture: swapped from the host,
+    or an unknown one). A teacher the layout cannot run adds its reason."""
+    distill = cfg.algo.distill
+    if distill.teacher is None or distill.served_by != "megatron" or teacher_hf is None:
+        return 0.0
+    if same_architecture(hf, teacher_hf):
+        return 0.0
+    try:
+        dims = model_dims(teacher_hf)
+        layout = cfg.parallel.validate(world, **dims.layout_checks())
+    except (UnsupportedModelError, LayoutError) as err:
+        reasons.append(f"algo.distill.teacher={distill.teacher} in the actor's parallel layout: {err}")
+        return 0.0
+    dense, experts, _ = _weight_shard(dims, _shared_expert_gate(teacher_hf, dims), layout)
+    return dense + experts
+
+
+def _weight_shard(d: ModelDims, shared_gate: bool, layout) -> tuple[float, float, dict]:
+    """`(dense, experts, params)`: the parameters a GPU of the most loaded pipeline stage holds outside and inside
+    the experts, and the model's total / expert / active parameter counts."""
     h = d.hidden_size
     attention = _attention_params(d)
     shared = d.shared_expert_ffn_hidden_size
@@ -319,7 +346,6 @@ def _memory(
     params = {"total": total_params, "experts": sum(per_layer_expert), "active": active}
 
     tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
-    dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
     per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
     # The heaviest stage's own layers (a dense first layer, GLM-4.5's 10944-wide MLP, is not every layer's).
     sizes = list(layout.stage_layers) if layout and layout.stage_layers else [per_stage] * pp
@@ -328,9 +354,20 @@ def _memory(
     dense_layers = max(sum(per_layer_dense[i] for i in stage) for stage in stages)
     expert_layers = max(sum(per_layer_expert[i] for i in stage) for stage in stages)
     dense = dense_layers / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
-    experts = expert_layers / (ep * etp)
+    return dense, expert_layers / (ep * etp), params
+
+
+def _memory(
+    cfg, d: ModelDims, shared_gate: bool, layout, cluster: ClusterSpec, colocated_sglang: bool, teacher_params: float
+) -> tuple[MemoryEstimate, dict]:
+    dense, experts, params = _weight_shard(d, shared_gate, layout)
+    tp, pp = (layout.tp, layout.pp) if layout else (1, 1)
+    dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
+    per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
+    h = d.hidden_size
     bf16 = cfg.model.options.dtype == "bf16"
     weights = (dense + experts) * (2 if bf16 else 4)
+    teacher = teacher_params * (2 if bf16 else 4)
     grads = (dense + experts) * 4
     shard = dense / dp + experts / edp  # parameters whose optimizer state this GPU holds (distributed optimizer)
     opt = cfg.optimizer
@@ -350,23 +387,23 @@ def _memory(
     if pp > 1:
         activations *= min(pp, 2)  # in-flight micro-batches of 1F1B on the first stage
     logits = tokens * d.vocab_size / tp * act_bytes * 2  # logits and their gradient (the log-prob kernel is chunked)
-    total = (weights + grads + optimizer + activations + logits) * 1.1
+    total = (weights + grads + optimizer + activations + logits + teacher) * 1.1
     gpu = cluster.gpu_memory_gib * GiB
     share = cfg.rollout.sglang.mem_fraction_static
     budget = gpu - CUDA_CONTEXT_GIB * GiB
     if colocated_sglang:  # SGLang keeps its share during training unless it releases it
         budget -= SGLANG_RELEASED_GIB * GiB if cfg.rollout.release_memory else gpu * share
     server_gpus = cfg.rollout.sglang.tp_size
-    sglang_weights = total_params * 2 / server_gpus
+    sglang_weights = params["total"] * 2 / server_gpus
     sglang_budget = gpu * share
     kv_token = kv_cache_token_bytes(d, server_gpus)
     kv_tokens = max(sglang_budget - sglang_weights, 0.0) / kv_token
-    resident = 0.0 if cfg.trainer.offload_actor else (weights + grads + optimizer) * 1.1
+    resident = (teacher + (0.0 if cfg.trainer.offload_actor else weights + grads + optimizer)) * 1.1
     parked = weights + grads + optimizer if cfg.trainer.offload_actor else 0.0
     host = cluster.gpus_per_node * (host_optimizer + parked)
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
                           sglang_budget, resident, kv_token, kv_tokens, host_optimizer, host,
-                          pcie), params  # fmt: skip
+                          pcie, teacher), params  # fmt: skip
 
 
 HOST_BYTES_PER_PARAM = 16

@@ -288,7 +288,8 @@ def test_async_plans_say_which_step_the_servers_generate() -> None:
 
 
 def test_the_plan_says_where_a_distillation_teacher_lives() -> None:
-    """A Megatron teacher costs host memory per GPU equal to the actor's weights shard (the KL reference's rule)."""
+    """A Megatron teacher of the student's architecture (or of one not read) costs host memory per GPU equal to the
+    actor's weights shard (the KL reference's rule)."""
     cluster = ClusterSpec(2, 8, 80)
     base = make_plan(_cfg("qwen3_30b_a3b_gspo_2x8xh100.yaml"), _hf(QWEN30B), cluster)
     notes = {}
@@ -300,3 +301,37 @@ def test_the_plan_says_where_a_distillation_teacher_lives() -> None:
         assert plan.memory == base.memory  # no GPU memory of the trainer's
     assert f"{base.memory.weights / 2**30:.1f} GiB of host memory per GPU" in notes["megatron"]
     assert "second model on rank 0's GPU" in notes["local_engine"] and "own SGLang servers" in notes["sglang"]
+
+
+def test_a_megatron_teacher_of_another_architecture_is_resident_and_counted(tmp_path: Path, capsys) -> None:
+    """A teacher of another size (Qwen3-30B-A3B with 64 layers, not 48) is built in the actor's layout and stays on
+    the GPUs: its weights shard per GPU (the actor's own arithmetic for that model) joins the memory estimate and the
+    note says it is resident; the student's architecture is still swapped from the host; a teacher whose experts the
+    layout cannot split is refused naming both. `launch --dry-run` reads the teacher's config.json from its folder."""
+    import argparse
+    import json
+
+    from megatron_rl.commands import launch
+
+    example, cluster = "qwen3_30b_a3b_gspo_2x8xh100.yaml", ClusterSpec(2, 8, 80)
+    student, deeper = _hf(QWEN30B), {**_hf(QWEN30B), "num_hidden_layers": 64}
+    base = make_plan(_cfg(example), student, cluster)
+    cfg = _cfg(example, f"algo.distill.teacher={tmp_path}")
+    plan = make_plan(cfg, student, cluster, deeper)
+    assert plan.memory.teacher == make_plan(_cfg(example), deeper, cluster).memory.weights > 0
+    assert plan.memory.total == pytest.approx(base.memory.total + 1.1 * plan.memory.teacher)
+    (note,) = [n for n in plan.notes if "distillation teacher" in n]
+    assert f"resident on every GPU in the actor's layout: {plan.memory.teacher / 2**30:.1f} GiB" in note
+    assert f"+ teacher {plan.memory.teacher / 2**30:.1f} =" in format_plan(plan)
+    same = make_plan(cfg, student, cluster, student)
+    assert same.memory == base.memory and any("swapped from host memory" in n for n in same.notes)
+    with pytest.raises(PlanError, match=r"algo.distill.teacher=\S+ in the actor's parallel layout: num_experts=120 is "
+                       "not divisible by ep=16"):  # fmt: skip
+        make_plan(cfg, student, cluster, {**student, "num_experts": 120})
+    (tmp_path / "config.json").write_text(json.dumps(deeper))
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    args = parser.parse_args([str(REPO / "examples" / example), f"algo.distill.teacher={tmp_path}", "--dry-run",
+                              "--nodes", "2", "--gpus-per-node", "8", "--hf-config", str(QWEN30B)])  # fmt: skip
+    assert launch.run(args) == 0
+    assert note in capsys.readouterr().out
