@@ -31,7 +31,6 @@ from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_fro
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
-from megatron_rl.megatron_backend.lora.reference import AdapterReference
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
@@ -91,7 +90,7 @@ class StepParts:
     cfg: RLConfig
     actor: MegatronActor
     weights: WeightSync
-    reference: ReferenceWeights | AdapterReference | None  # the KL reference (LoRA: the base, adapters off)
+    reference: ReferenceWeights | None
     data: PromptData
     tokenizer: Any
     loss_fn: LossFn
@@ -314,7 +313,6 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         optimizer_options=cfg.optimizer,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         balance_quadratic=cfg.trainer.balance_quadratic,
-        lora=cfg.model.lora,
     )
 
 
@@ -332,15 +330,11 @@ def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_u
     return True
 
 
-def _reference(
-    cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path
-) -> ReferenceWeights | AdapterReference | None:
+def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path) -> ReferenceWeights | None:
     """The KL reference (with `algo.kl_coef` > 0): the policy RL starts from, the warmed-up model, else the initial
     one."""
     if cfg.algo.kl_coef <= 0:
         return None
-    if actor.lora is not None:  # the frozen base with the adapters RL starts from (none: the base itself)
-        return AdapterReference(actor, from_warmup=cfg.warmup.sft_steps > 0)
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 
