@@ -24,10 +24,12 @@ class DistillConfig:
     )
     served_by: Literal["megatron", "local_engine", "sglang"] = setting(
         "megatron",
-        help="megatron = a frozen Megatron model in the trainer, in the actor's layout, swapped in like the KL "
-        "reference (the student's architecture); local_engine = a transformers model on rank 0 (any family or size "
-        "the local engine loads) that scores each rollout batch as it is collected; sglang = an SGLang server of the "
-        "teacher scoring each batch by prefill (return_logprob), never sent weights",
+        help="megatron = a frozen Megatron model in the trainer, in the actor's parallel layout, scoring in the "
+        "scoring phase: with the student's architecture its weights wait on the host and are swapped in like the KL "
+        "reference, else (another size or family of megatron_rl/models) it is a second model resident on the GPUs; "
+        "local_engine = a transformers model on rank 0 (any family or size the local engine loads) that scores each "
+        "rollout batch as it is collected; sglang = an SGLang server of the teacher scoring each batch by prefill "
+        "(return_logprob), never sent weights",
     )
     sglang_urls: tuple[str, ...] = setting(
         (),
