@@ -1,6 +1,7 @@
 """A frozen side model launched by the trainer (`rollout.side_models` without urls, no SLURM): rank 0 starts a CPU
 SGLang server of the judge checkpoint with rollout.sglang's settings and key, `side:judge` in the judge reward
-resolves to it, every sample of every step is sent to it, and it is stopped when the run ends."""
+resolves to it, every sample of every step is sent to it, and it is stopped when the run ends. With rollout servers
+the trainer launches too, both take the one key file."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from pathlib import Path
 import pytest
 from sglang_cpu_support import CPU_SERVER_ARGS, cpu_python_wrapper
 
-from megatron_rl.rollout.sglang.sglang_server import is_healthy
+from megatron_rl.rollout.sglang.sglang_server import free_port, is_healthy
 from megatron_rl.tiny_model import make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.sglang
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_moe_gspo.yaml"
 
 
-def test_the_trainer_launches_a_judge_side_model_and_stops_it_at_exit(sglang_py: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["local", "sglang"])
+def test_the_trainer_launches_a_judge_side_model_and_stops_it_at_exit(engine: str, sglang_py: str, tmp_path: Path):
     judge = make_tiny_qwen3_moe(tmp_path / "judge", seed=7)
     policy = make_tiny_qwen3_moe(tmp_path / "policy", seed=1)
     python = cpu_python_wrapper(tmp_path / "python", sglang_py)
@@ -33,7 +35,8 @@ def test_the_trainer_launches_a_judge_side_model_and_stops_it_at_exit(sglang_py:
          "rollout.n_samples=2", "data.eval=null", "data.eval_every=0", "trainer.save_every=0", "logging.plot=false",
          "logging.wandb=false", f"rollout.side_models=[{{name: judge, hf_path: {judge}}}]", reward,
          "data.reward_failure_limit=1.0", f"rollout.sglang.python={python}",
-         f"rollout.sglang.extra_args=[{','.join(CPU_SERVER_ARGS)}]", "rollout.sglang.startup_timeout_s=300"],
+         f"rollout.sglang.extra_args=[{','.join(CPU_SERVER_ARGS)}]", "rollout.sglang.startup_timeout_s=300",
+         f"rollout.engine={engine}", f"rollout.sglang.base_port={free_port()}"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
