@@ -88,3 +88,10 @@ def test_bad_side_models_and_references_are_refused_in_one_line(overrides: tuple
     with pytest.raises(ConfigError, match=message) as err:
         _load(*overrides)
     assert "\n" not in str(err.value)
+
+
+def test_side_models_round_trip_through_the_saved_config(tmp_path: Path) -> None:
+    from megatron_rl.config import dump_yaml
+
+    cfg = _load(JUDGE, "rollout.side_models.0.urls=[http://n2:30300]", _judge_reward("side:judge"))
+    assert load_config(dump_yaml(cfg, tmp_path / "config.yaml")) == cfg
