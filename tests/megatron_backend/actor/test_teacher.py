@@ -7,7 +7,6 @@ were. A teacher of the student's architecture is still swapped in from the host.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -97,7 +96,6 @@ def test_a_teacher_of_the_students_architecture_is_swapped_in_from_the_host(sing
 
     same = make_tiny_qwen3_moe(tmp_path / "same", seed=5)
     assert isinstance(teacher_from_hf(single_process["actor"], same), ReferenceWeights)
-    shutil.rmtree(same)
 
 
 @pytest.mark.torchrun
