@@ -8,8 +8,9 @@ weights (an LLM judge, a distillation teacher), and the `side:<name>` references
     algo:
       distill: {teacher: /models/teacher, served_by: sglang, sglang_urls: ["side:teacher"]}
 
-A side model with `urls` is connected to; one without is launched (by the SLURM templates on the rollout nodes, or
-by trainer rank 0 elsewhere) and its URLs filled in before anything uses them. `side_urls` is the one resolver.
+A side model with `urls` is connected to; one without is launched (by scripts/slurm/disaggregated.sbatch on the
+rollout nodes, a colocated job having no GPU to spare; by trainer rank 0 without SLURM) and its URLs filled in before
+anything uses them. `side_urls` is the one resolver.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class SideModel:
     )
     urls: tuple[str, ...] = setting(
         (),
-        help="running servers (http://host:port), reached with rollout.sglang's API key; empty = launched beside "
-        "the rollout servers (the SLURM templates; elsewhere trainer rank 0)",
+        help="running servers (http://host:port), reached with rollout.sglang's API key file; empty = launched "
+        "beside the rollout servers (disaggregated.sbatch on the rollout nodes; without SLURM trainer rank 0)",
     )
 
 
