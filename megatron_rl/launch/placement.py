@@ -36,10 +36,12 @@ class SideServer:
 
 def place_servers(
     cfg: Any, serving: list[int], gpus_per_node: int, colocated: bool
-) -> tuple[list[RolloutServer], list[SideServer], list[str]]:
-    """The rollout and side servers of `cfg` (an `RLConfig`) on the `serving` nodes, and the reasons it cannot be."""
-    reasons: list[str] = []
+) -> tuple[list[RolloutServer], list[SideServer], list[str], list[str]]:
+    """The rollout and side servers of `cfg` (an `RLConfig`) on the `serving` nodes, the reasons it cannot be, and
+    notes (side models running elsewhere, GPUs that serve nothing)."""
     models = cfg.rollout.side_models
+    reasons: list[str] = []
+    notes = [f"side model {m.name}: running at {', '.join(m.urls)}" for m in models if m.urls]
     todo = launched(models)
     need = sum(models[i].num_servers * models[i].tp for i in todo)
     if todo and colocated:
@@ -70,12 +72,12 @@ def place_servers(
     rollout: list[RolloutServer] = []
     tp = cfg.rollout.sglang.tp_size
     if not serving:
-        return rollout, side, reasons
+        return rollout, side, reasons, notes
     if gpus_per_node % tp:
         reasons.append(
             f"rollout.sglang.tp_size={tp} does not divide {gpus_per_node} GPUs per node: a server must fit on one node"
         )
-        return rollout, side, reasons
+        return rollout, side, reasons, notes
     for node in serving:
         for k in range(free[node] // tp):
             rollout.append(RolloutServer(node, tuple(range(k * tp, (k + 1) * tp)), SGLANG_PORT + k))
@@ -84,7 +86,13 @@ def place_servers(
             f"no rollout server fits: the side models take {need} of the {len(serving) * gpus_per_node} rollout GPUs "
             f"and a rollout server needs rollout.sglang.tp_size={tp}: add rollout nodes"
         )
-    return rollout, side, reasons
+    idle = {node: free[node] % tp for node in serving if free[node] % tp}
+    if idle:
+        notes.append(
+            f"{sum(idle.values())} rollout GPU(s) serve nothing: the side models leave fewer than "
+            f"rollout.sglang.tp_size={tp} on node(s) {sorted(idle)}"
+        )
+    return rollout, side, reasons, notes
 
 
 def servers_shell(cfg: Any, rollout: tuple[RolloutServer, ...], side: tuple[SideServer, ...]) -> dict[str, str]:

@@ -167,7 +167,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = Non
     except LayoutError as err:
         reasons.append(f"parallel layout on {world} training GPUs ({train_nodes} nodes): {err}")
     serving = [] if not sglang else list(range(cluster.nodes) if colocated else range(train_nodes, cluster.nodes))
-    servers, side_servers, problems = place_servers(cfg, serving, cluster.gpus_per_node, colocated)
+    servers, side_servers, problems, placement_notes = place_servers(cfg, serving, cluster.gpus_per_node, colocated)
     reasons += problems
     router = (servers[0].node, ROUTER_PORT) if len(servers) > 1 else None
     teacher = _resident_teacher(cfg, hf, teacher_hf, world, reasons)
@@ -226,7 +226,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = Non
             + ("a side model, planned above" if any(u.startswith("side:") for u in distill.sglang_urls)
                else "algo.distill.sglang_urls, not planned here"),
         }[distill.served_by])  # fmt: skip
-    notes += [f"side model {m.name}: running at {', '.join(m.urls)}" for m in cfg.rollout.side_models if m.urls]
+    notes += placement_notes
     if cfg.trainer.mode == "async":
         k = cfg.trainer.max_staleness
         notes.append(

@@ -51,6 +51,14 @@ def test_side_servers_spill_to_the_node_before_when_the_last_is_full() -> None:
     assert [(s.node, s.gpus) for s in plan.servers if s.node >= 18] == [(18, (0, 1, 2, 3))]
 
 
+def test_gpus_a_rollout_server_cannot_use_are_named() -> None:
+    cfg = _disaggregated("[{name: judge, hf_path: /m/judge, tp: 2}]")
+    plan = make_plan(cfg, QWEN30B, ClusterSpec(20, 8, 80, rollout_nodes=4))
+    assert [(s.node, s.gpus) for s in plan.servers if s.node == 19] == [(19, (0, 1, 2, 3))]
+    idle = "2 rollout GPU(s) serve nothing: the side models leave fewer than rollout.sglang.tp_size=4 on node(s) [19]"
+    assert idle in plan.notes
+
+
 @pytest.mark.parametrize(
     ("side_models", "rollout_nodes", "reason"),
     [
