@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.fields import setting
-from megatron_rl.config.options import ModelOptions, OptimizerOptions
+from megatron_rl.config.options import LoRAOptions, ModelOptions, OptimizerOptions
 from megatron_rl.config.sampling import SamplingParams, TurnLimits
 from megatron_rl.config.side_models import SideModel
 from megatron_rl.parallel_layout import ParallelLayout
@@ -51,6 +51,11 @@ class ModelConfig:
     )
     options: ModelOptions = setting(
         default_factory=ModelOptions, help="how Megatron-Core builds the model (dtype, layer spec, recompute, ...)"
+    )
+    lora: LoRAOptions = setting(
+        default_factory=LoRAOptions,
+        help="low-rank adapters (rank > 0): only they train, the base stays frozen; the KL reference is the base "
+        "with the adapters off",
     )
 
 

@@ -30,7 +30,7 @@ def validate(cfg: RLConfig) -> list[str]:
     errors: list[str] = []
     notes: list[str] = []
     checks = (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_stop_on)
-    for check in (*checks, _check_optimizer):
+    for check in (*checks, _check_optimizer, _check_lora):
         check(cfg, errors, notes)
     if len(errors) == 1:
         raise ConfigError(errors[0])
@@ -193,6 +193,22 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             f"algo.clip_low={algo.clip_low} bounds the CISPO weight below at {1 - algo.clip_low:g}; the paper "
             "sets no lower bound (clip_low >= 1)"
         )
+
+
+def _check_lora(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
+    lora = cfg.model.lora
+    problems = {
+        f"rank={lora.rank} must be >= 0 (0 = no adapters)": lora.rank < 0,
+        f"alpha={lora.alpha} must be > 0: the update is (alpha / rank) * B A": lora.rank > 0 and lora.alpha <= 0,
+        f"dropout={lora.dropout}: only 0 is supported (dropout makes the training forward differ from the scoring "
+        "forward: ppo_kl_first != 0)": lora.rank > 0 and lora.dropout != 0,
+        "targets is empty: name attention, mlp, shared_experts and/or experts": lora.rank > 0 and not lora.targets,
+        "adapts the local spec's layers: set model.options.layer_spec=local or auto": lora.rank > 0
+        and cfg.model.options.layer_spec == "te",
+    }
+    errors += [f"model.lora.{problem}" for problem, bad in problems.items() if bad]
+    if lora.rank > 0:
+        notes.append(f"model.lora.rank={lora.rank}: only adapters on {', '.join(lora.targets)} train (base frozen)")
 
 
 def _check_routing_replay(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:

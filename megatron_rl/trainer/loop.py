@@ -26,11 +26,12 @@ from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.batch import LossFn
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
-from megatron_rl.megatron_backend.actor.reference import ReferenceWeights, reference_from_hf
+from megatron_rl.megatron_backend.actor.reference import reference_from_hf
 from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_from_hf
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
+from megatron_rl.megatron_backend.lora.reference import AdapterReference
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
@@ -90,7 +91,7 @@ class StepParts:
     cfg: RLConfig
     actor: MegatronActor
     weights: WeightSync
-    reference: ReferenceWeights | None
+    reference: FrozenScorer | None  # the KL reference: host-swapped weights (LoRA: the base, adapters off)
     data: PromptData
     tokenizer: Any
     loss_fn: LossFn
@@ -313,6 +314,7 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         optimizer_options=cfg.optimizer,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         balance_quadratic=cfg.trainer.balance_quadratic,
+        lora=cfg.model.lora,
     )
 
 
@@ -330,11 +332,13 @@ def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_u
     return True
 
 
-def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path) -> ReferenceWeights | None:
+def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: Path) -> FrozenScorer | None:
     """The KL reference (with `algo.kl_coef` > 0): the policy RL starts from, the warmed-up model, else the initial
     one."""
     if cfg.algo.kl_coef <= 0:
         return None
+    if actor.lora is not None:  # the frozen base with the adapters RL starts from (none: the base itself)
+        return AdapterReference(actor, from_warmup=cfg.warmup.sft_steps > 0)
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 
@@ -420,8 +424,7 @@ def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
         entropy = score_old_and_reference(
-            p.actor, p.reference, rank, replay, on_policy=on_policy,
-            teacher=p.teacher,  # type: ignore[arg-type]  # it annotates ReferenceWeights; any FrozenScorer scores
+            p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
             teacher_top_k=cfg.algo.distill.top_k,
         )  # fmt: skip
         distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}

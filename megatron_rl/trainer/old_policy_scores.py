@@ -9,7 +9,7 @@ from megatron_rl.algorithms.distillation import mixed_advantages, reverse_kl_adv
 from megatron_rl.config.algo import DistillConfig
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
-from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
+from megatron_rl.megatron_backend.actor.teacher import FrozenScorer
 from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.step_plan import RankBatch
@@ -17,12 +17,12 @@ from megatron_rl.trainer.step_plan import RankBatch
 
 def score_old_and_reference(
     actor: MegatronActor,
-    reference: ReferenceWeights | None,
+    reference: FrozenScorer | None,
     rank: RankBatch,
     replay: ReplayChecks,
     *,
     on_policy: bool = False,
-    teacher: ReferenceWeights | None = None,
+    teacher: FrozenScorer | None = None,
     teacher_top_k: int = 0,
 ) -> torch.Tensor:
     """Fill `old_log_probs` (with a KL reference `ref_log_probs`; with a distillation `teacher`

@@ -15,6 +15,7 @@ over micro-batches and data-parallel ranks, so the step minimises the exact glob
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -95,11 +96,13 @@ class MegatronActor:
         self.dims = self.family.dims(hf_config)
         self.layout = layout
         self.model_options = model_options or ModelOptions()
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None and self.model_options.layer_spec == "auto":  # adapters wrap the local spec's layers
+            self.model_options = dataclasses.replace(self.model_options, layer_spec="local")
         self.micro_batch_tokens = micro_batch_tokens
         self.balance_quadratic = balance_quadratic  # a sample's cost when balancing: tokens + this * tokens^2
         self.chunks: list[Any]  # the model chunks (one per virtual pipeline stage), DDP-wrapped for training
         self.chunks, self.config = build_model(hf_config, layout, self.model_options)
-        self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:  # before DDP and the optimizer: they take only the adapters
             weights = self.family.weight_map(hf_config)
             install_lora(
@@ -278,6 +281,12 @@ class MegatronActor:
         ids = mb.fields.get("teacher_topk_ids")
         if ids is None:
             return None
+        if int(ids.max()) >= self.dims.vocab_size:  # a teacher with more embedding rows than the student has
+            raise ValueError(
+                f"the teacher's top-k names token id {int(ids.max())}, beyond the student's vocabulary of "
+                f"{self.dims.vocab_size}: use a teacher whose vocabulary (config.json vocab_size) is the student's, or "
+                "algo.distill.top_k=0"
+            )
         packed = ids if mb.packing is None else mb.packing.pack(ids)
         return mb.per_sample(
             next_token_logprobs_at(logits, mb.model_tokens(), logp, packed, tp_group=self._groups["tp"])

@@ -57,6 +57,7 @@ from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.checkpoint.rng_state_file import read_rng_state
+from megatron_rl.megatron_backend.lora.checkpoint import adapter_sharded_state_dict, load_adapter_state
 from megatron_rl.megatron_backend.platform import mcore_compat
 from megatron_rl.models.architecture import check_same_architecture
 
@@ -73,10 +74,14 @@ def _sharding_metadata() -> dict[str, Any]:
 
 
 def _model_sharded_state_dict(actor: MegatronActor, metadata: dict) -> dict:
+    """The model part of a checkpoint; with LoRA, the adapters alone (`lora/checkpoint.py`)."""
     modules: list[Any] = actor.modules  # GPTModels; nn.Module's stub types their attributes as Tensor | Module
+    states = [m.sharded_state_dict(metadata=metadata) for m in modules]
+    if actor.lora is not None:
+        states = [adapter_sharded_state_dict(m, s) for m, s in zip(modules, states, strict=True)]
     if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(modules)}
+        return {"model": states[0]}
+    return {f"model{i}": s for i, s in enumerate(states)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -441,7 +446,11 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
         ) from err
     with torch.no_grad():
         for i, module in enumerate(actor.modules):
-            module.load_state_dict(loaded["model" if len(actor.modules) == 1 else f"model{i}"], strict=True)
+            state = loaded["model" if len(actor.modules) == 1 else f"model{i}"]
+            if actor.lora is None:
+                module.load_state_dict(state, strict=True)
+            else:  # adapters only: the frozen base is the HF checkpoint the actor was built from
+                load_adapter_state(module, state)
         if with_optimizer:
             actor.optimizer.load_state_dict(loaded["optimizer"])
             if saved.get("adam_steps"):

@@ -60,12 +60,14 @@ class SliceRows:
 
 
 class LoRASlices(nn.Module):
-    """The adapters of one linear layer: `A_j` `[r, in(/tp)]` and `B_j` `[rows_j(/tp), r]` per slice j."""
+    """The adapters of one linear layer: `B_j` `[rows_j(/tp), r]` per slice j, and `A_j` `[r, in(/tp)]` per slice
+    or one A shared by every slice (a routed expert's fc1: one adapter over gate and up, its B kept as two slices
+    so that each splits over expert tensor parallelism as a contiguous block)."""
 
     def __init__(self, a: list[torch.Tensor], b_rows: list[int], scale: float, rows: list[SliceRows] | None):
         super().__init__()
         self.A = nn.ParameterList([nn.Parameter(t.float()) for t in a])
-        self.B = nn.ParameterList([nn.Parameter(torch.zeros(n, t.shape[0])) for n, t in zip(b_rows, a, strict=True)])
+        self.B = nn.ParameterList([nn.Parameter(torch.zeros(n, a[0].shape[0])) for n in b_rows])
         self.scale = scale
         self.rows = rows  # None: one slice over every output row
         self._order = None if rows is None else torch.argsort(torch.cat([r.local for r in rows]))
@@ -86,15 +88,21 @@ class LoRASlices(nn.Module):
     def up(self, h: list[torch.Tensor], b: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`[..., out(/tp)]`: the slices' `B_j h_j` (`b`: the B's to use, default this module's), placed at their
         rows, times the scale."""
-        outs = [hj @ bj.t() for hj, bj in zip(h, b if b is not None else self.B, strict=True)]
+        bs = list(b if b is not None else self.B)
+        outs = [hj @ bj.t() for hj, bj in zip(h * len(bs) if len(h) == 1 else h, bs, strict=True)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self._order is not None:
             out = out.index_select(-1, self._order.to(out.device))
         return out * self.scale
 
+    def stacked_b(self) -> torch.Tensor:
+        """`[out(/tp), r]`: the slices' B rows in the layer's output order (one A shared by every slice)."""
+        out = self.B[0] if len(self.B) == 1 else torch.cat(list(self.B), dim=0)
+        return out if self._order is None else out.index_select(0, self._order.to(out.device))
+
     def delta_weight(self) -> torch.Tensor:
         """`[out(/tp), in(/tp)]`: this rank's shard of `(α/r) · B A`, laid out as the layer's weight shard."""
-        parts = [b @ a for a, b in zip(self.A, self.B, strict=True)]
+        parts = [b @ self.A[min(j, len(self.A) - 1)] for j, b in enumerate(self.B)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if self._order is not None:
             out = out.index_select(0, self._order.to(out.device))
@@ -175,7 +183,7 @@ def grouped_delta(
     x = hidden.float()
     replicated = adapters[0].column  # fc1: A whole on every expert-TP rank; fc2: B
     a = [_summed_grad(m.A[0], m) if replicated else m.A[0] for m in adapters]
-    b = [m.B[0] if replicated else _summed_grad(m.B[0], m) for m in adapters]
+    b = [m.stacked_b() if replicated else _summed_grad(m.B[0], m) for m in adapters]
     return grouped_linear(grouped_linear(x, counts, a, gemm), counts, b, gemm) * adapters[0].scale
 
 
@@ -270,6 +278,8 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
             linear.forward = (_column_forward if column else _row_forward)(linear, lora, linear.forward)
             linear.lora = lora
             adapted += 1
+    if not adapted:  # e.g. Transformer Engine's layers, which these adapters do not wrap: nothing would train
+        raise ValueError(f"model.lora.targets={list(options.targets)} matched no linear layer of the local spec")
     return adapted
 
 
@@ -284,10 +294,9 @@ def _column_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, sha
     full_rows = weight.shape[0] * (_tp(expert)[1] if tp else 1)
     ids = torch.arange(full_rows, dtype=torch.float64).unsqueeze(1)
     local_ids = shard(ids, weight, rule, expert=expert).squeeze(1).long()  # this rank's rows of the full weight
-    slices = None
-    if not expert and len(rule.hf) > 1:  # a routed expert's fc1 keeps one adapter over gate and up (peft's)
-        slices = _slice_rows(rule, local_ids, full_rows)
-    a = [_kaiming_a(options.rank, weight.shape[1], f"{name}.lora_A.{j}") for j in range(len(slices or [0]))]
+    slices = _slice_rows(rule, local_ids, full_rows) if len(rule.hf) > 1 else None
+    shared = 1 if expert else len(slices or [0])  # a routed expert's fc1: one A over gate and up (peft's)
+    a = [_kaiming_a(options.rank, weight.shape[1], f"{name}.lora_A.{j}") for j in range(shared)]
     b_rows = [weight.shape[0]] if slices is None else [int(s.local.numel()) for s in slices]
     lora = LoRASlices(a, b_rows, options.alpha / options.rank, slices)
     lora.local_rows = local_ids if slices is None else None

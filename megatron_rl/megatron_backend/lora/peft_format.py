@@ -33,43 +33,42 @@ _MOE_RENAMED = ("gate_proj", "up_proj", "down_proj")  # names peft 0.21 maps to 
 
 
 def _pieces(lora: LoRASlices, value: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple]:
-    """This rank's part of one layer's adapters: `(module, "A"|"B", how, where, tensor)` rows for `_assemble`."""
+    """This rank's part of one layer's adapters for `_assemble`: `(module, "A"|"B", expert, slice, place, tensor)`
+    with `place` None (whole), a tensor of rows (B split by rows) or a column offset (A split by columns)."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_expert_tensor_parallel_rank() if lora.expert else ps.get_tensor_model_parallel_rank()
-    out: list[tuple] = []
-    module: str = ""
-    e: int | None = None
-    if lora.expert:  # one module per layer's experts (peft's fused layout); `where` = (expert, rows or column offset)
+    expert: int | None = None
+    if lora.expert:  # one module per layer's experts (peft's fused layout)
         match = _EXPERT_HF.match(lora.hf_names[0])
         assert match is not None, lora.hf_names[0]
-        module, e = match["path"] + (".base_layer" if lora.column else ""), int(match["e"])
-    for j, (a, b) in enumerate(zip(lora.A, lora.B, strict=True)):
+        module, expert = match["path"] + (".base_layer" if lora.column else ""), int(match["e"])
+    out: list[tuple] = []
+    for j, b in enumerate(lora.B):
+        a = lora.A[min(j, len(lora.A) - 1)]
         if not lora.expert:
-            module, e = lora.hf_names[j].removesuffix(".weight"), None
+            module, j = lora.hf_names[j].removesuffix(".weight"), 0
         if lora.column:
-            rows = lora.rows[j].hf if lora.rows is not None else lora.local_rows
-            out.append((module, "A", "whole", e, value(a)))
-            out.append((module, "B", "rows", (e, rows), value(b)))
+            rows = lora.rows[j if lora.expert else lora.hf_names.index(module + ".weight")].hf if lora.rows else None
+            out.append((module, "A", expert, 0, None, value(a)))
+            out.append((module, "B", expert, j, rows if rows is not None else lora.local_rows, value(b)))
         else:
-            out.append((module, "A", "columns", (e, tp_rank * a.shape[1] if lora.tp else 0), value(a)))
-            out.append((module, "B", "whole", e, value(b)))
+            out.append((module, "A", expert, 0, tp_rank * a.shape[1] if lora.tp else None, value(a)))
+            out.append((module, "B", expert, 0, None, value(b)))
     return out
 
 
 def _assemble(pieces: list[tuple], num_experts: int) -> dict[str, torch.Tensor]:
     """peft's state dict from every rank's pieces."""
-    parts: dict[tuple[str, str, int | None], dict] = {}
-    for module, which, how, where, tensor in pieces:  # `where`: the expert (or None), and a shard's place
-        expert = where[0] if isinstance(where, tuple) else where
-        place = where[1] if isinstance(where, tuple) else None
-        parts.setdefault((module, which, expert), {"how": how, "items": []})["items"].append((place, tensor))
-    full: dict[tuple[str, str, int | None], torch.Tensor] = {}
-    for key, part in parts.items():
-        items = part["items"]
-        if part["how"] == "whole" or items[0][0] is None:  # replicated, or held whole by one rank
+    parts: dict[tuple, list] = {}
+    for module, which, expert, j, place, tensor in pieces:
+        parts.setdefault((module, which, expert, j), []).append((place, tensor))
+    full: dict[tuple, torch.Tensor] = {}
+    for key, items in parts.items():
+        place = items[0][0]
+        if place is None:  # held whole (replicated over tensor parallelism)
             full[key] = items[0][1]
-        elif part["how"] == "rows":  # B split over tensor-parallel ranks: each piece's rows of the full tensor
+        elif isinstance(place, torch.Tensor):  # B split by rows: each piece's rows of the full tensor
             full[key] = torch.zeros(max(int(w.max()) for w, _ in items) + 1, items[0][1].shape[1])
             for w, t in items:
                 full[key][w] = t
@@ -77,11 +76,13 @@ def _assemble(pieces: list[tuple], num_experts: int) -> dict[str, torch.Tensor]:
             by_offset = {off: t for off, t in items}
             full[key] = torch.cat([by_offset[off] for off in sorted(by_offset)], dim=1)
     out = {}
-    for module, which in sorted({(m, w) for m, w, _ in full}):
-        if (module, which, None) in full:
-            tensor = full[module, which, None]
+    for module, which in sorted({(k[0], k[1]) for k in full}):
+        if (module, which, None, 0) in full:
+            tensor = full[module, which, None, 0]
         else:  # a layer's experts, as peft's ParamWrapper holds them: A [E·r, in] expert-major, B [out, r·E]
-            stacked = torch.stack([full[module, which, e] for e in range(num_experts)])
+            slices = sorted({k[3] for k in full if k[:2] == (module, which)})
+            per_expert = [torch.cat([full[module, which, e, j] for j in slices]) for e in range(num_experts)]
+            stacked = torch.stack(per_expert)
             tensor = stacked.reshape(-1, stacked.shape[-1]) if which == "A" else stacked.permute(1, 2, 0).reshape(
                 stacked.shape[1], -1
             )

@@ -100,3 +100,21 @@ def test_topk_distillation_step_equals_transformers_autograd(tiny_moe_dir: Path)
         assert err <= GRAD_RTOL * float(want_grad.norm()), (
             f"{name}: |Δgrad| {err:.3g}, |grad| {float(want_grad.norm()):.3g}"
         )
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_a_teacher_id_beyond_the_students_vocabulary_is_refused(tiny_moe_dir: Path) -> None:
+    """A teacher with more embedding rows than the student could name an id the student has no logit for: the
+    gather would read padding; the step stops naming the id instead."""
+    from megatron_rl.config.options import OptimizerOptions
+    from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
+    from megatron_rl.parallel_layout import ParallelLayout
+
+    actor = MegatronActor.from_hf(tiny_moe_dir, ParallelLayout(), micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                  optimizer_options=OptimizerOptions(distributed_optimizer=False))  # fmt: skip
+    batch = _batch(actor.compute_log_probs(_batch()).log_probs)
+    _teacher_topk(batch, actor.dims.vocab_size)
+    batch.fields["teacher_topk_ids"][0, 5, 0] = actor.dims.vocab_size + 3
+    algo = dataclasses.replace(rl_algo("token-mean", "token"), distill=DistillConfig(teacher="unused", top_k=TOP_K))
+    with pytest.raises(ValueError, match=f"names token id {actor.dims.vocab_size + 3}, beyond the student's"):
+        actor.warmup_step(batch, build_rl_loss(algo), lr=0.0)

@@ -13,9 +13,10 @@ import os
 import torch
 
 
-def actor_batch_and_loss(model: str, layout):
+def actor_batch_and_loss(model: str, layout, lora_rank: int = 0):
     """The actor (cosine LR schedule), a 6 x 20 batch and a PPO loss that these checkpoint scripts train with."""
     from megatron_rl.algorithms import policy_loss
+    from megatron_rl.config.options import LoRAOptions
     from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
 
@@ -24,6 +25,7 @@ def actor_batch_and_loss(model: str, layout):
         layout,
         optimizer_options=OptimizerOptions(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=10),
         micro_batch_tokens=64,
+        lora=LoRAOptions(rank=lora_rank) if lora_rank else None,
     )
     gen = torch.Generator().manual_seed(5)
     b, s = 6, 20
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--phase", required=True, choices=["full", "resume", "crash", "score"])
     for name in ("tp", "pp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
 
     from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
@@ -56,7 +59,7 @@ def main() -> None:
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     init_distributed(layout, seed=11)
-    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout)
+    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout, args.lora_rank)
     b, s = batch.input_ids.shape
 
     def train(step: int) -> dict:

@@ -1,0 +1,63 @@
+"""Adapter-only checkpoints: the model part of a LoRA run's distributed checkpoint holds the adapters alone (the
+frozen base is the HF checkpoint the run loads), each with its tensor-parallel split declared.
+
+Megatron's linear layers declare their own `weight` and `bias` split (`make_sharded_tensors_for_checkpoint`) and
+every other tensor of theirs, the adapters included, as replicated over tensor parallelism. An adapter that is
+split (a column-parallel layer's B, a row-parallel layer's A; an expert's over expert tensor parallelism) gets
+its axis, offset and fragment count here, so a checkpoint loads into any layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_rl.megatron_backend.lora.adapters import is_lora_param, lora_modules
+
+
+def adapter_sharded_state_dict(chunk: Any, sharded: dict[str, Any]) -> dict[str, Any]:
+    """The adapters' entries of `chunk`'s sharded state dict, each split as its parameter is."""
+    from megatron.core import parallel_state as ps
+
+    split = {}
+    for lora in lora_modules([chunk]):
+        group = (
+            (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+            if lora.expert
+            else (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        )
+        for param in lora.parameters():
+            if getattr(param, "tensor_model_parallel", False) and group[1] > 1:
+                split[id(param)] = (int(param.partition_dim), *group)  # type: ignore[attr-defined]
+    out = {}
+    for key, entry in sharded.items():
+        if not is_lora_param(key):
+            continue
+        if id(entry.data) in split:
+            entry = _split(entry, *split[id(entry.data)])
+        out[key] = entry
+    return out
+
+
+def _split(entry: Any, axis: int, rank: int, size: int) -> Any:
+    """`entry` (declared replicated) as this rank's part `rank` of `size` along its tensor's `axis`."""
+    dim = axis + entry.prepend_axis_num
+    shape, offset, fragments = list(entry.global_shape), list(entry.global_offset), list(entry.axis_fragmentations)
+    shape[dim] *= size
+    offset[dim] += rank * entry.data.shape[axis]
+    fragments[dim] = size
+    replica = (entry.replica_id[0], 0, *entry.replica_id[2:]) if isinstance(entry.replica_id, tuple) else 0
+    return dataclasses.replace(
+        entry, global_shape=tuple(shape), global_offset=tuple(offset), axis_fragmentations=tuple(fragments),
+        replica_id=replica,
+    )  # fmt: skip
+
+
+def load_adapter_state(chunk: Any, state: dict[str, Any]) -> None:
+    """Load an adapter-only model state into `chunk`: every adapter must be in it, and nothing else."""
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if is_lora_param(k)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"the checkpoint's adapters do not match this model's (model.lora): missing {missing[:3]}, unexpected "
+            f"{list(result.unexpected_keys)[:3]}; resume with the model.lora settings that saved it"
+        )
