@@ -43,13 +43,19 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def build_models(work: Path, teacher_steps: int) -> tuple[Path, Path]:
-    """W (the demo's warm-up of the random demo model) and the teacher (W after `teacher_steps` GSPO steps)."""
-    warm_run, teacher_run, teacher = work / "warm_run", work / "teacher_run", work / "teacher"
+def warmed_model(work: Path) -> Path:
+    """W: the demo's supervised warm-up of the random demo model (built in `work` once)."""
+    warm_run = work / "warm_run"
     if not (warm_run / "warmup_model" / "config.json").is_file():
         run([*TRAIN, f"trainer.output_dir={warm_run}", f"model.hf_path={work / 'initial'}", "trainer.steps=1",
              "data.eval=null", "data.eval_every=0", *QUIET])  # fmt: skip
-    student = warm_run / "warmup_model"
+    return warm_run / "warmup_model"
+
+
+def build_models(work: Path, teacher_steps: int) -> tuple[Path, Path]:
+    """W (`warmed_model`) and the teacher (W after `teacher_steps` GSPO steps)."""
+    teacher_run, teacher = work / "teacher_run", work / "teacher"
+    student = warmed_model(work)
     if not (teacher / "config.json").is_file():
         run([*TRAIN, f"trainer.output_dir={teacher_run}", f"model.hf_path={student}", "warmup.sft_steps=0",
              f"trainer.steps={teacher_steps}", f"data.eval_every={teacher_steps}", *QUIET])  # fmt: skip
