@@ -17,7 +17,8 @@ IGNORED = ("time/", "perf/")
 def _train(out: Path, model: Path, *overrides: str) -> list[dict]:
     command = [sys.executable, "-m", "megatron_rl.cli", "train", str(EXAMPLE), f"trainer.output_dir={out}",
                f"model.hf_path={model}", "warmup.sft_steps=0", "data.eval=null", "data.eval_every=0",
-               "logging.plot=false", "model.lora.rank=8", "algo.kl_coef=0.01", "trainer.save_every=2", *overrides]  # fmt: skip
+               "logging.plot=false", "model.lora.rank=8", "algo.kl_coef=0.01", "trainer.save_every=2",
+               *overrides]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -38,3 +39,35 @@ def test_lora_trains_on_policy_against_the_base_and_resumes_bitwise(warmed_demo:
 
     keys = _model_keys(tmp_path / "straight" / "checkpoints" / "step_000000004" / "megatron")
     assert keys and all(".lora." in k for k in keys if k.startswith("decoder.")), sorted(keys)[:5]  # no base weight
+
+
+def test_a_lora_checkpoint_converts_to_a_peft_adapter_and_a_merged_model(warmed_demo: WarmedModel, tmp_path: Path):
+    """`megatron-rl convert lora-to-hf`: peft loads the adapter on the base and scores as the merged model does;
+    the streaming `megatron-to-hf` refuses the adapter-only checkpoint naming the command to use."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = warmed_demo.warmed
+    _train(tmp_path / "run", model, "trainer.steps=2")
+    step = tmp_path / "run" / "checkpoints"
+    convert = [sys.executable, "-m", "megatron_rl.cli", "convert"]
+    proc = subprocess.run([*convert, "lora-to-hf", str(step), str(tmp_path / "adapter"), "--merged",
+                           str(tmp_path / "merged")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = subprocess.run([*convert, "megatron-to-hf", str(step), str(tmp_path / "hf")], capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert refused.returncode != 0 and "megatron-rl convert lora-to-hf" in refused.stderr, refused.stderr[-2000:]
+
+    ids = torch.tensor([[5, 9, 12, 7, 30, 41, 8, 3, 11, 19]])
+
+    def log_probs(m) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(m(ids).logits[0].double(), -1)
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    plain = log_probs(base)
+    adapted = log_probs(PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    merged = log_probs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32))
+    assert (adapted - merged).abs().max() < 1e-5
+    assert (adapted - plain).abs().max() > 1e-4  # two RL steps moved the adapters

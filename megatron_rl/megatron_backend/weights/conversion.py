@@ -43,6 +43,7 @@ from megatron_rl.formats.checkpoint_format import (
 )
 from megatron_rl.formats.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
+from megatron_rl.megatron_backend.lora.export import lora_run
 from megatron_rl.megatron_backend.weights.checkpoint_extras import copy_checkpoint_extras
 from megatron_rl.megatron_backend.weights.hf_weights import (
     SafetensorsIndex,
@@ -105,7 +106,7 @@ def hf_to_megatron(
     unused = sorted(
         n for names in unused_checkpoint_tensors(family, hf, weights, index.names(), hf_dir).values() for n in names
     )
-    with _single_process_megatron():
+    with single_process_megatron():
         model = _meta_model(hf, target)
         tensors = [*model.named_parameters(), *model.named_buffers()]
         params = {canonical_name(n): p for n, p in tensors if weights.rule(canonical_name(n)) is not None}
@@ -285,6 +286,11 @@ def megatron_to_hf(
     start, start_rss = time.perf_counter(), current_rss()
     path = resolve_checkpoint_dir(checkpoint_dir)
     check_checkpoint_files(path)  # a missing or truncated file is named before anything is read
+    if lora_run(path) is not None:
+        raise ValueError(
+            f"{path} holds LoRA adapters only (its run trained model.lora): write them with `megatron-rl convert "
+            "lora-to-hf CHECKPOINT OUT_DIR [--merged DIR]`"
+        )
     hf = read_checkpoint_hf_config(path)
     if expect_config is not None:
         check_same_architecture(read_hf_config(expect_config, role="--expect-config"), hf, path)
@@ -325,7 +331,7 @@ def megatron_to_hf(
             generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=1))
 
-    with _single_process_megatron():
+    with single_process_megatron():
         model = _meta_model(hf, _stored_dtype(path / MEGATRON_DIR))
         written = write_safetensors_dir(out_dir, shards(model), extra_files=non_weight_files, overwrite=False)
     return replace(_report(written.tensors, written.bytes, start, largest, start_rss), notes=notes)
@@ -384,7 +390,7 @@ def _load_group(group: dict, megatron_dir: Path) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------- shared
 @contextlib.contextmanager
-def _single_process_megatron() -> Iterator[None]:
+def single_process_megatron() -> Iterator[None]:
     """Megatron's parallel state at TP = PP = EP = 1 in this process (gloo), torn down on exit."""
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.parallel_layout import ParallelLayout
