@@ -133,6 +133,13 @@ class LoRAOptions:
             "from the scoring forward, so the first update's ratio would not be 1 (ppo_kl_first != 0)"
         },
     )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "a peft LoRA adapter directory (adapter_config.json + adapter_model.safetensors, e.g. written by "
+            "`megatron-rl convert lora-to-hf`) to start from instead of B = 0; its r and lora_alpha must be these"
+        },
+    )
     targets: tuple[LoRATarget, ...] = field(
         default=("attention", "mlp", "shared_experts", "experts"),
         metadata={

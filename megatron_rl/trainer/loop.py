@@ -31,6 +31,7 @@ from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_fro
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
+from megatron_rl.megatron_backend.lora.peft_format import load_peft_adapter, save_peft_adapter
 from megatron_rl.megatron_backend.lora.reference import AdapterReference
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
@@ -71,6 +72,7 @@ from megatron_rl.trainer.step_plan import rank_batch
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
+WARMUP_ADAPTER = "adapter"  # in WARMUP_MODEL under LoRA: the warmed-up adapters (peft's format)
 
 
 @dataclass
@@ -307,7 +309,7 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
     if cfg.trainer.cpu_threads and platform.device().type == "cpu":
         torch.set_num_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.trainer.seed)
-    return MegatronActor.from_hf(
+    actor = MegatronActor.from_hf(
         model_dir,
         cfg.parallel,
         model_options=cfg.model.options,
@@ -316,6 +318,11 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         balance_quadratic=cfg.trainer.balance_quadratic,
         lora=cfg.model.lora,
     )
+    if cfg.model.lora.rank and cfg.model.lora.init_from:  # continue from a peft adapter (else B = 0)
+        experts = actor.family.weight_map(actor.hf_config).num_experts
+        load_peft_adapter(actor.chunks, cfg.model.lora, experts, Path(cfg.model.lora.init_from))
+        actor.reload_main_params()
+    return actor
 
 
 def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
@@ -327,7 +334,11 @@ def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_u
         if not run_warmup(cfg, actor, parts.data, state, warmup):
             return False
         actor.reset_optimizer_state()
-        save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)
+        save_hf_checkpoint(actor, warmed_up, model_dir, bucket_mb=cfg.rollout.bucket_mb)  # LoRA: merged
+        if actor.lora is not None:  # and the adapters alone: the KL reference's (`_reference`)
+            experts = actor.family.weight_map(actor.hf_config).num_experts
+            save_peft_adapter(actor.chunks, actor.lora, experts, warmed_up / WARMUP_ADAPTER, str(model_dir),
+                              for_peft=False)  # fmt: skip
         state.sft_done = True
     return True
 
@@ -338,7 +349,8 @@ def _reference(cfg: RLConfig, actor: MegatronActor, model_dir: Path, warmed_up: 
     if cfg.algo.kl_coef <= 0:
         return None
     if actor.lora is not None:  # the frozen base with the adapters RL starts from (none: the base itself)
-        return AdapterReference(actor, from_warmup=cfg.warmup.sft_steps > 0)
+        start = warmed_up / WARMUP_ADAPTER if cfg.warmup.sft_steps > 0 else cfg.model.lora.init_from
+        return AdapterReference(actor, cfg.model.lora, Path(start) if start else None)
     return reference_from_hf(actor, warmed_up if cfg.warmup.sft_steps > 0 else model_dir)
 
 

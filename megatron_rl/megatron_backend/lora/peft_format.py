@@ -107,13 +107,13 @@ def peft_state_dict(
     return _assemble(mine, num_experts)
 
 
-def adapter_config(options: Any, state: dict[str, torch.Tensor], base_model: str) -> dict[str, Any]:
+def adapter_config(options: Any, state: dict[str, torch.Tensor], base_model: str, for_peft: bool) -> dict[str, Any]:
     """`adapter_config.json` for `state`: the adapted modules by full name, routed experts as peft's
-    `target_parameters`."""
+    `target_parameters`. `for_peft`: refuse what peft would load wrongly (else the file is for this package)."""
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in state})
     experts = any(m.endswith(".experts") or m.endswith(".experts.base_layer") for m in modules)
     dense_mlp = [m for m in modules if m.rsplit(".", 1)[-1] in _MOE_RENAMED]
-    if experts and dense_mlp:
+    if for_peft and experts and dense_mlp:
         raise ValueError(
             f"adapters on a dense layer's MLP ({dense_mlp[0]}, ...) cannot be written for peft beside the routed "
             "experts': on transformers 5, peft maps the names gate_proj/up_proj/down_proj to the fused experts, so "
@@ -132,8 +132,11 @@ def adapter_config(options: Any, state: dict[str, torch.Tensor], base_model: str
     }
 
 
-def save_peft_adapter(chunks: list[Any], options: Any, num_experts: int, out_dir: Path, base_model: str) -> None:
-    """Write the adapters of `chunks` as a peft adapter directory (rank 0 writes). Collective."""
+def save_peft_adapter(
+    chunks: list[Any], options: Any, num_experts: int, out_dir: Path, base_model: str, *, for_peft: bool = True
+) -> None:
+    """Write the adapters of `chunks` as a peft adapter directory (rank 0 writes). Collective. `for_peft=False`:
+    also what peft cannot load (a dense MLP's adapters beside the experts'), for `load_peft_adapter`."""
     from safetensors.torch import save_file
 
     state = peft_state_dict(chunks, num_experts)
@@ -141,5 +144,55 @@ def save_peft_adapter(chunks: list[Any], options: Any, num_experts: int, out_dir
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / ADAPTER_WEIGHTS))
-    config = adapter_config(options, state, base_model)
+    config = adapter_config(options, state, base_model, for_peft)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+@torch.no_grad()
+def load_peft_adapter(chunks: list[Any], options: Any, num_experts: int, adapter_dir: Path) -> int:
+    """Set the adapters of `chunks` from a peft adapter directory (as `save_peft_adapter` writes it, or peft
+    saves it for the transformers model): every rank takes its shards of the full tensors. Refuses an adapter of
+    another rank or alpha, or one that lacks a tensor of these adapters; returns the tensors read."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if config.get("r") != options.rank or float(config.get("lora_alpha", 0)) != float(options.alpha):
+        raise ValueError(
+            f"{adapter_dir}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')} but model.lora has "
+            f"rank={options.rank}, alpha={options.alpha}: set model.lora to the adapter's values"
+        )
+    state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    used: set[str] = set()
+
+    def full(module: str, which: str) -> torch.Tensor:
+        key = f"base_model.model.{module}.lora_{which}.weight"
+        if key not in state:
+            raise ValueError(f"{adapter_dir} has no {key}: it does not adapt the layers model.lora.targets names")
+        used.add(key)
+        return state[key].float()
+
+    for lora in lora_modules(chunks):
+        for (module, which, expert, j, place, _), param in zip(_pieces(lora, lambda p: p), _params(lora), strict=True):
+            tensor = full(module, which)
+            if expert is not None:  # peft's ParamWrapper layout back to expert `expert`'s A or B
+                rank = options.rank
+                tensor = tensor[expert * rank : (expert + 1) * rank] if which == "A" else tensor[:, expert::num_experts]
+                if which == "B" and len(lora.B) > 1:  # gate and up rows of one B over both
+                    tensor = tensor.chunk(len(lora.B), dim=0)[j]
+            if isinstance(place, torch.Tensor):
+                tensor = tensor[place]
+            elif isinstance(place, int):
+                tensor = tensor[:, place : place + param.shape[1]]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{adapter_dir}: {module} lora_{which} gives {tuple(tensor.shape)} for this rank's "
+                                 f"{tuple(param.shape)}")  # fmt: skip
+            param.copy_(tensor)
+    return len(used)
+
+
+def _params(lora: LoRASlices) -> list[torch.Tensor]:
+    """The parameters `_pieces` describes, in its order (A then B of each slice)."""
+    out = []
+    for j, b in enumerate(lora.B):
+        out += [lora.A[min(j, len(lora.A) - 1)], b]
+    return out

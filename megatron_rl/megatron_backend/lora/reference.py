@@ -5,30 +5,38 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_rl.megatron_backend.lora.adapters import adapters_off, lora_modules
+from megatron_rl.megatron_backend.lora.peft_format import load_peft_adapter
 
 
 class AdapterReference:
     """`swapped_in()` as `ReferenceWeights` offers it: the actor computing as the starting policy. From scratch
-    (every B = 0) that is the base with the adapters off: nothing is copied. After a supervised warm-up the
-    adapters it trained are kept (on the device: they are small) and swapped with the current ones."""
+    (every B = 0) that is the base with the adapters off: nothing is copied. When RL starts from trained adapters
+    (`adapter_dir`: a supervised warm-up's, or `model.lora.init_from`, in peft's format) they are read from there,
+    so a resumed run gets the same reference, and kept on the device (they are small) to swap with the current
+    ones."""
 
-    def __init__(self, actor: Any, *, from_warmup: bool):
+    def __init__(self, actor: Any, options: Any, adapter_dir: Path | None = None):
         self._actor = actor
-        params = [p for lora in lora_modules(actor.chunks) for p in lora.parameters()]
-        self._kept = [p.detach().clone() for p in params] if from_warmup else None
+        self._kept: list[torch.Tensor] | None = None
+        if adapter_dir is not None:
+            params = self._params()
+            current = [p.detach().clone() for p in params]
+            load_peft_adapter(actor.chunks, options, actor.family.weight_map(actor.hf_config).num_experts, adapter_dir)
+            self._kept = [p.detach().clone() for p in params]
+            _copy(params, current)
+
+    def _params(self) -> list[Any]:
+        return [p for lora in lora_modules(self._actor.chunks) for p in lora.parameters()]
 
     @property
     def host_bytes(self) -> int:
         return 0
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._kept or [])
 
     @contextmanager
     def swapped_in(self) -> Iterator[Any]:
@@ -36,7 +44,7 @@ class AdapterReference:
             with adapters_off(self._actor.chunks):
                 yield self._actor
             return
-        params = [p for lora in lora_modules(self._actor.chunks) for p in lora.parameters()]
+        params = self._params()
         current = [p.detach().clone() for p in params]
         try:
             _copy(params, self._kept)
