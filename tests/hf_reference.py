@@ -75,3 +75,13 @@ def as_samples(rows: list[dict]) -> list:
         )
         for r in rows
     ]
+
+
+def as_token_batch(rows: list[dict]):
+    """`make_samples` rows as the actor's right-padded `TokenBatch`."""
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
+    return TokenBatch(ids, torch.tensor([len(r["input_ids"]) for r in rows]),
+                      torch.tensor([r["response_start"] for r in rows]))  # fmt: skip

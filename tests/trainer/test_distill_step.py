@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
-from tests.hf_reference import as_samples, hf_score, make_samples
+from tests.hf_reference import as_samples, as_token_batch, hf_score, make_samples
 from tests.megatron_backend.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.shared_runs import EXAMPLE
 
@@ -25,7 +25,6 @@ TEACHER_TOL = 1e-5
 
 @pytest.mark.usefixtures("megatron_world")
 def test_the_megatron_teacher_scores_the_students_tokens_as_transformers_scores_the_teacher(tmp_path: Path) -> None:
-    from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
     from megatron_rl.megatron_backend.actor.reference import reference_from_hf
@@ -35,10 +34,7 @@ def test_the_megatron_teacher_scores_the_students_tokens_as_transformers_scores_
     teacher = make_tiny_qwen3_moe(tmp_path / "teacher", seed=2)
     actor = MegatronActor.from_hf(student, ParallelLayout(), model_options=ModelOptions(dtype="fp32"))
     samples = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.tensor([s["input_ids"] + [0] * (width - len(s["input_ids"])) for s in samples])
-    batch = TokenBatch(ids, torch.tensor([len(s["input_ids"]) for s in samples]),
-                       torch.tensor([s["response_start"] for s in samples]))  # fmt: skip
+    batch = as_token_batch(samples)
     with reference_from_hf(actor, teacher).swapped_in() as scoring:
         taught = scoring.compute_log_probs(batch).log_probs
     own = actor.compute_log_probs(batch).log_probs  # the student's weights are back

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
-from tests.hf_reference import as_samples, make_samples
+from tests.hf_reference import as_samples, as_token_batch, make_samples
 from tests.megatron_backend.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.trainer.test_distill_step import TEACHER_TOL, _train
 
@@ -43,7 +43,6 @@ def assert_topk_matches(ids: torch.Tensor, logp: torch.Tensor, rows: list[dict],
 
 @pytest.mark.usefixtures("megatron_world")
 def test_the_megatron_teacher_returns_transformers_top_k(tmp_path: Path) -> None:
-    from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
     from megatron_rl.megatron_backend.actor.reference import reference_from_hf
@@ -53,10 +52,7 @@ def test_the_megatron_teacher_returns_transformers_top_k(tmp_path: Path) -> None
     teacher = make_tiny_qwen3_moe(tmp_path / "teacher", seed=2)
     actor = MegatronActor.from_hf(student, ParallelLayout(), model_options=ModelOptions(dtype="fp32"))
     rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
-    batch = TokenBatch(ids, torch.tensor([len(r["input_ids"]) for r in rows]),
-                       torch.tensor([r["response_start"] for r in rows]))  # fmt: skip
+    batch = as_token_batch(rows)
     with reference_from_hf(actor, teacher).swapped_in() as scoring:
         scored = scoring.compute_log_probs(batch, top_k=K)
     assert scored.topk_ids is not None and scored.topk_log_probs is not None
