@@ -38,11 +38,24 @@ def _gather_columns(logits: Tensor, ids: Tensor, tp_group: ProcessGroup | None) 
 
 
 def next_token_logprobs_at(
-    logits: Tensor, input_ids: Tensor, log_probs: Tensor, ids: Tensor, *, tp_group: ProcessGroup | None = None
+    logits: Tensor,
+    input_ids: Tensor,
+    log_probs: Tensor,
+    ids: Tensor,
+    *,
+    tp_group: ProcessGroup | None = None,
+    valid_vocab_size: int | None = None,
 ) -> Tensor:
     """``[b, s, k]``: ``log softmax(logits[:, t-1])[ids[:, t, j]]`` aligned with ``input_ids`` (position 0 is 0),
     from a causal model's logits ``[b, s, V_local]`` (temperature 1) and ``log_probs`` ``[b, s]`` =
-    ``next_token_logprobs_and_entropy(logits, input_ids)``'s; differentiable through both."""
+    ``next_token_logprobs_and_entropy(logits, input_ids)``'s; differentiable through both. An id from
+    ``valid_vocab_size`` on (the padding of a padded vocabulary: no token's logit) is refused."""
+    if valid_vocab_size is not None and ids.numel() and int(ids.max()) >= valid_vocab_size:
+        raise ValueError(
+            f"the teacher's top-k names token id {int(ids.max())}, beyond the student's vocabulary of "
+            f"{valid_vocab_size}: use a teacher whose vocabulary (config.json vocab_size) is the student's, or "
+            "algo.distill.top_k=0"
+        )
     group = _group(tp_group)
     device = logits.device
     columns = torch.cat([input_ids.to(device)[:, 1:, None], ids.to(device)[:, 1:]], dim=-1)

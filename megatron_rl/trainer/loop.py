@@ -31,7 +31,7 @@ from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_fro
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
-from megatron_rl.megatron_backend.lora.peft_format import load_peft_adapter, save_peft_adapter
+from megatron_rl.megatron_backend.lora.peft_format import save_peft_adapter
 from megatron_rl.megatron_backend.lora.reference import AdapterReference
 from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
@@ -309,7 +309,7 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
     if cfg.trainer.cpu_threads and platform.device().type == "cpu":
         torch.set_num_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.trainer.seed)
-    actor = MegatronActor.from_hf(
+    return MegatronActor.from_hf(
         model_dir,
         cfg.parallel,
         model_options=cfg.model.options,
@@ -318,11 +318,6 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         balance_quadratic=cfg.trainer.balance_quadratic,
         lora=cfg.model.lora,
     )
-    if cfg.model.lora.rank and cfg.model.lora.init_from:  # continue from a peft adapter (else B = 0)
-        experts = actor.family.weight_map(actor.hf_config).num_experts
-        load_peft_adapter(actor.chunks, cfg.model.lora, experts, Path(cfg.model.lora.init_from))
-        actor.reload_main_params()
-    return actor
 
 
 def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
@@ -58,9 +59,15 @@ class TokenBatch:
         """The token ids the model sees: `input_ids`, or their packed row `[1, total]`."""
         return self.input_ids if self.packing is None else self.packing.pack(self.input_ids)
 
-    def per_sample(self, values: torch.Tensor) -> torch.Tensor:
+    @overload
+    def per_sample(self, values: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def per_sample(self, values: None) -> None: ...
+    def per_sample(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """Per-token model outputs (`[rows, seq, ...]` as the model saw them) in this batch's per-sample layout."""
-        return values if self.packing is None else self.packing.unpack(values, self.input_ids.shape[1])
+        if values is None or self.packing is None:
+            return values
+        return self.packing.unpack(values, self.input_ids.shape[1])
 
     def response_mask(self) -> torch.Tensor:
         """`[batch, seq]` bool: True at response tokens (the positions whose log-probs train the policy)."""

@@ -54,6 +54,7 @@ from megatron_rl.megatron_backend.actor.update_metrics import (
     reduce_metric_sums,
 )
 from megatron_rl.megatron_backend.lora.adapters import install_lora
+from megatron_rl.megatron_backend.lora.peft_format import load_peft_adapter
 from megatron_rl.megatron_backend.weights import hf_weights
 from megatron_rl.models.architecture import check_same_architecture
 from megatron_rl.models.family import HFConfig, get_family
@@ -129,10 +130,15 @@ class MegatronActor:
     def from_hf(
         cls, model_dir: str | Path, layout: ParallelLayout, *, hf: HFConfig | None = None, **kwargs: Any
     ) -> MegatronActor:
-        """The actor of the model in `model_dir`, its weights loaded; `hf`: its config.json when already read."""
+        """The actor of the model in `model_dir`, its weights loaded (with `lora.init_from`, its adapters from that
+        peft adapter); `hf`: its config.json when already read."""
         hf = hf if hf is not None else read_hf_config(model_dir)
         actor = cls(hf, layout, **kwargs)
         actor.load_hf(model_dir, hf=hf)
+        if actor.lora is not None and actor.lora.init_from:  # continue from a peft adapter (else B = 0)
+            load_peft_adapter(actor.chunks, actor.lora, actor.family.weight_map(hf).num_experts, actor.lora.init_from)
+            if actor.optimizer is not None:
+                actor.reload_main_params()
         return actor
 
     def load_hf(self, model_dir: str | Path, *, hf: HFConfig | None = None) -> None:
@@ -263,17 +269,17 @@ class MegatronActor:
         )  # fmt: skip
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
-        """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]` (of the
-        packed row when `mb` is packed: a sample's first position, which reads the previous sample's last logits,
-        has no context and is never used)."""
-        logp, ent = next_token_logprobs_and_entropy(
+        """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]`."""
+        logp, ent = self._packed_stats(mb, logits, with_entropy, temperature)
+        return mb.per_sample(logp), mb.per_sample(ent)
+
+    def _packed_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
+        """`_token_stats` as the model saw the tokens (the packed row when `mb` is packed: a sample's first position,
+        which reads the previous sample's last logits, has no context and is never used)."""
+        return next_token_logprobs_and_entropy(
             logits, mb.model_tokens(), tp_group=self._groups["tp"], valid_vocab_size=self.dims.vocab_size,
             temperature=temperature, with_entropy=with_entropy, impl=self.model_options.logprob_impl,
         )  # fmt: skip
-        return logp, ent
-
-    def _per_sample(self, mb: TokenBatch, *values: torch.Tensor | None) -> list[torch.Tensor | None]:
-        return [None if v is None else mb.per_sample(v) for v in values]
 
     def _student_topk(self, mb: TokenBatch, logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor | None:
         """Top-k distillation: the policy's log-probs `[b, s, k]` at the teacher's top-k ids of `mb` (field
@@ -281,16 +287,10 @@ class MegatronActor:
         ids = mb.fields.get("teacher_topk_ids")
         if ids is None:
             return None
-        if int(ids.max()) >= self.dims.vocab_size:  # a teacher with more embedding rows than the student has
-            raise ValueError(
-                f"the teacher's top-k names token id {int(ids.max())}, beyond the student's vocabulary of "
-                f"{self.dims.vocab_size}: use a teacher whose vocabulary (config.json vocab_size) is the student's, or "
-                "algo.distill.top_k=0"
-            )
         packed = ids if mb.packing is None else mb.packing.pack(ids)
-        return mb.per_sample(
-            next_token_logprobs_at(logits, mb.model_tokens(), logp, packed, tp_group=self._groups["tp"])
-        )
+        return mb.per_sample(next_token_logprobs_at(
+            logits, mb.model_tokens(), logp, packed, tp_group=self._groups["tp"], valid_vocab_size=self.dims.vocab_size
+        ))  # fmt: skip
 
     @torch.no_grad()
     def compute_log_probs(
@@ -315,7 +315,7 @@ class MegatronActor:
         results: list[tuple[torch.Tensor | None, ...]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
-            logp, ent = self._token_stats(mb, logits.float(), with_entropy, temperature)
+            logp, ent = self._packed_stats(mb, logits.float(), with_entropy, temperature)
             top: tuple[torch.Tensor | None, ...] = (None, None)
             if top_k:
                 top = next_token_topk(
@@ -323,7 +323,7 @@ class MegatronActor:
                     valid_vocab_size=self.dims.vocab_size,
                 )  # fmt: skip
             real = mb.size - mb.padding_rows
-            results.append(tuple(None if v is None else v[:real].cpu() for v in self._per_sample(mb, logp, ent, *top)))
+            results.append(tuple(None if v is None else mb.per_sample(v)[:real].cpu() for v in (logp, ent, *top)))
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {}
 
         s = batch.input_ids.shape[1]
@@ -450,10 +450,9 @@ class MegatronActor:
         kept: list[tuple[torch.Tensor | None, ...]] = []
 
         def loss_func(mb: TokenBatch, logits: torch.Tensor):
-            packed_logp, packed_ent = self._token_stats(mb, logits, with_entropy, 1.0)
+            packed_logp, packed_ent = self._packed_stats(mb, logits, with_entropy, 1.0)
             student_topk = self._student_topk(mb, logits, packed_logp)
-            logp, ent = self._per_sample(mb, packed_logp, packed_ent)
-            assert logp is not None
+            logp, ent = mb.per_sample(packed_logp), mb.per_sample(packed_ent)
             if on_policy:
                 mb.fields["old_log_probs"] = logp.detach()
                 real = mb.size - mb.padding_rows

@@ -9,8 +9,13 @@ its axis, offset and fragment count here, so a checkpoint loads into any layout.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import yaml
+
+from megatron_rl.config.options import LoRAOptions
 from megatron_rl.megatron_backend.lora.adapters import is_lora_param, lora_modules
 
 
@@ -61,3 +66,26 @@ def load_adapter_state(chunk: Any, state: dict[str, Any]) -> None:
             f"the checkpoint's adapters do not match this model's (model.lora): missing {missing[:3]}, unexpected "
             f"{list(result.unexpected_keys)[:3]}; resume with the model.lora settings that saved it"
         )
+
+
+@dataclass(frozen=True)
+class LoRARun:
+    """What a LoRA checkpoint needs besides its adapters: the base model and the adapters' options."""
+
+    base: Path
+    lora: LoRAOptions
+
+
+def lora_run(checkpoint: Path) -> LoRARun | None:
+    """The LoRA settings of the run that wrote `checkpoint` (`<run>/checkpoints/step_*`), from its config.yaml;
+    None when the run trained every weight (or the checkpoint is not a training run's)."""
+    config = checkpoint.parent.parent / "config.yaml"
+    if checkpoint.parent.name != "checkpoints" or not config.is_file():
+        return None
+    model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+    lora = model.get("lora") or {}
+    if not lora.get("rank"):
+        return None
+    targets = tuple(lora.get("targets", LoRAOptions.targets))
+    options = LoRAOptions(rank=int(lora["rank"]), alpha=float(lora.get("alpha", 16.0)), targets=targets)
+    return LoRARun(Path(model["hf_path"]), options)

@@ -6,36 +6,10 @@ trained (`model.hf_path` of its `config.yaml`, or `base`); the adapter is writte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from megatron_rl.config.options import LoRAOptions
 from megatron_rl.formats.checkpoint_format import resolve_checkpoint_dir
-
-
-@dataclass(frozen=True)
-class LoRARun:
-    """What a LoRA checkpoint needs besides its adapters: the base model and the adapters' options."""
-
-    base: Path
-    lora: LoRAOptions
-
-
-def lora_run(checkpoint: Path) -> LoRARun | None:
-    """The LoRA settings of the run that wrote `checkpoint` (`<run>/checkpoints/step_*`), from its config.yaml;
-    None when the run trained every weight (or the checkpoint is not a training run's)."""
-    config = checkpoint.parent.parent / "config.yaml"
-    if checkpoint.parent.name != "checkpoints" or not config.is_file():
-        return None
-    model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
-    lora = model.get("lora") or {}
-    if not lora.get("rank"):
-        return None
-    targets = tuple(lora.get("targets", LoRAOptions.targets))
-    options = LoRAOptions(rank=int(lora["rank"]), alpha=float(lora.get("alpha", 16.0)), targets=targets)
-    return LoRARun(Path(model["hf_path"]), options)
+from megatron_rl.megatron_backend.lora.checkpoint import LoRARun, lora_run
 
 
 def lora_to_hf(checkpoint: str | Path, out_dir: str | Path, *, base: str | Path | None = None,

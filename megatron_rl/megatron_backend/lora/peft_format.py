@@ -149,12 +149,13 @@ def save_peft_adapter(
 
 
 @torch.no_grad()
-def load_peft_adapter(chunks: list[Any], options: Any, num_experts: int, adapter_dir: Path) -> int:
+def load_peft_adapter(chunks: list[Any], options: Any, num_experts: int, adapter_dir: str | Path) -> int:
     """Set the adapters of `chunks` from a peft adapter directory (as `save_peft_adapter` writes it, or peft
     saves it for the transformers model): every rank takes its shards of the full tensors. Refuses an adapter of
     another rank or alpha, or one that lacks a tensor of these adapters; returns the tensors read."""
     from safetensors.torch import load_file
 
+    adapter_dir = Path(adapter_dir)
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     if config.get("r") != options.rank or float(config.get("lora_alpha", 0)) != float(options.alpha):
         raise ValueError(

@@ -43,7 +43,7 @@ from megatron_rl.formats.checkpoint_format import (
 )
 from megatron_rl.formats.safetensors_files import HF_EXTRA_FILES, copy_files, write_safetensors_dir
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
-from megatron_rl.megatron_backend.lora.export import lora_run
+from megatron_rl.megatron_backend.lora.checkpoint import lora_run
 from megatron_rl.megatron_backend.weights.checkpoint_extras import copy_checkpoint_extras
 from megatron_rl.megatron_backend.weights.hf_weights import (
     SafetensorsIndex,
