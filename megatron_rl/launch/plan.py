@@ -14,12 +14,12 @@ those GPUs) and disaggregated (`trainer.colocate=false`: the first nodes train, 
 
 from __future__ import annotations
 
-import itertools
 import math
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.launch.lora_memory import lora_params, stage_ranges
 from megatron_rl.launch.placement import (
     RolloutServer,
     SideServer,
@@ -90,12 +90,14 @@ class MemoryEstimate:
     host_per_node: float = 0.0  # host memory per node: every GPU's offloaded state, plus the parked actor
     pcie_seconds_per_step: float = 0.0  # the offloaded optimizer's copies per training step, at ClusterSpec's rate
     teacher: float = 0.0  # a resident Megatron distillation teacher's weights (another architecture than the actor's)
+    lora: float = 0.0  # model.lora: the fp32 adapters' bytes (in weights; grads and optimizer are theirs alone)
 
     def lines(self) -> list[str]:
         g = GiB
         teacher = f"+ teacher {self.teacher / g:.1f} " if self.teacher else ""
+        lora = f"(LoRA: frozen base + {self.lora / 2**20:.0f} MiB of adapters) " if self.lora else ""
         lines = [
-            f"  weights {self.weights / g:.1f} + grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
+            f"  weights {self.weights / g:.1f} {lora}+ grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
             f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} {teacher}= {self.total / g:.1f} "
             f"GiB of {self.budget / g:.1f} GiB available to training",
             f"  rollout server weights {self.sglang_weights / g:.1f} GiB per GPU of {self.sglang_budget / g:.1f} GiB "
@@ -210,7 +212,8 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = Non
             "so training gets the rest"
         )
     if cfg.algo.kl_coef > 0:
-        notes.append("KL reference weights are swapped from host memory (no extra GPU memory)")
+        notes.append("KL reference: the base with LoRA adapters off (no copy, no host memory)" if cfg.model.lora.rank
+                     else "KL reference weights are swapped from host memory (no extra GPU memory)")  # fmt: skip
     distill = cfg.algo.distill
     if distill.teacher is not None:
         notes.append({
@@ -346,11 +349,8 @@ def _weight_shard(d: ModelDims, shared_gate: bool, layout) -> tuple[float, float
     params = {"total": total_params, "experts": sum(per_layer_expert), "active": active}
 
     tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
-    per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
     # The heaviest stage's own layers (a dense first layer, GLM-4.5's 10944-wide MLP, is not every layer's).
-    sizes = list(layout.stage_layers) if layout and layout.stage_layers else [per_stage] * pp
-    bounds = list(itertools.accumulate(sizes))
-    stages = [range(min(end - n, d.num_layers), min(end, d.num_layers)) for n, end in zip(sizes, bounds, strict=True)]
+    stages = stage_ranges(d, layout)
     dense_layers = max(sum(per_layer_dense[i] for i in stage) for stage in stages)
     expert_layers = max(sum(per_layer_expert[i] for i in stage) for stage in stages)
     dense = dense_layers / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
@@ -366,15 +366,20 @@ def _memory(
     per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
     h = d.hidden_size
     bf16 = cfg.model.options.dtype == "bf16"
-    weights = (dense + experts) * (2 if bf16 else 4)
+    base = (dense + experts) * (2 if bf16 else 4)
     teacher = teacher_params * (2 if bf16 else 4)
+    lora = cfg.model.lora
+    if lora.rank:  # the base is frozen: only the fp32 adapters have gradients and optimizer state
+        dense, experts = lora_params(d, lora.rank, lora.targets, layout)
+        params["lora"] = dense + experts
+    weights = base + (dense + experts) * 4 if lora.rank else base
     grads = (dense + experts) * 4
     shard = dense / dp + experts / edp  # parameters whose optimizer state this GPU holds (distributed optimizer)
     opt = cfg.optimizer
     if not opt.distributed_optimizer:
         shard = dense + experts
     offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
-    optimizer = shard * (1 - offloaded) * optimizer_bytes_per_param(opt, bf16)
+    optimizer = shard * (1 - offloaded) * optimizer_bytes_per_param(opt, bf16 and not lora.rank)
     host_optimizer = shard * offloaded * HOST_BYTES_PER_PARAM
     updates = cfg.algo.mini_batches_per_step * cfg.algo.ppo_epochs
     pcie = updates * shard * offloaded * PCIE_BYTES_PER_PARAM / (cluster.pcie_gb_per_s * 1e9)
@@ -403,7 +408,7 @@ def _memory(
     host = cluster.gpus_per_node * (host_optimizer + parked)
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
                           sglang_budget, resident, kv_token, kv_tokens, host_optimizer, host,
-                          pcie, teacher), params  # fmt: skip
+                          pcie, teacher, (dense + experts) * 4 if lora.rank else 0.0), params  # fmt: skip
 
 
 HOST_BYTES_PER_PARAM = 16
