@@ -72,8 +72,8 @@ class LoRASlices(nn.Module):
         self.rows = rows  # None: one slice over every output row
         self._order = None if rows is None else torch.argsort(torch.cat([r.local for r in rows]))
         self.enabled = True
-        # what the layer is (set by `install_lora`): its weight's global name and HF tensors, its kind
-        self.weight_name, self.column, self.expert, self.tp = "", True, False, False
+        # what the layer is (set by `install_lora`): its HF tensors, its kind
+        self.column, self.expert, self.tp = True, False, False
         self.hf_names: tuple[str, ...] = ()
         self.local_rows: torch.Tensor | None = None  # one slice: this rank's rows of the full weight
 
@@ -269,7 +269,7 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
             rule = weights.rule(name)
             build = _column_adapter if column else _row_adapter
             lora = build(linear, options, name, rule, shard)
-            lora.weight_name, lora.hf_names, lora.column, lora.expert = name, rule.hf, column, expert
+            lora.hf_names, lora.column, lora.expert = rule.hf, column, expert
             lora.tp = _tp(expert)[1] > 1
             for t in lora.parameters():
                 t.data = t.data.to(linear.weight.device)

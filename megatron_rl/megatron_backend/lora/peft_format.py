@@ -46,12 +46,12 @@ def _pieces(lora: LoRASlices, value: Callable[[torch.Tensor], torch.Tensor]) -> 
     out: list[tuple] = []
     for j, b in enumerate(lora.B):
         a = lora.A[min(j, len(lora.A) - 1)]
-        if not lora.expert:
-            module, j = lora.hf_names[j].removesuffix(".weight"), 0
+        part = j  # a layer's experts: gate and up are parts of one peft tensor
+        if not lora.expert:  # one peft module per HF projection
+            module, part = lora.hf_names[j].removesuffix(".weight"), 0
         if lora.column:
-            rows = lora.rows[j if lora.expert else lora.hf_names.index(module + ".weight")].hf if lora.rows else None
             out.append((module, "A", expert, 0, None, value(a)))
-            out.append((module, "B", expert, j, rows if rows is not None else lora.local_rows, value(b)))
+            out.append((module, "B", expert, part, lora.rows[j].hf if lora.rows else lora.local_rows, value(b)))
         else:
             out.append((module, "A", expert, 0, tp_rank * a.shape[1] if lora.tp else None, value(a)))
             out.append((module, "B", expert, 0, None, value(b)))
