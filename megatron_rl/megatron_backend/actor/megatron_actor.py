@@ -103,13 +103,7 @@ class MegatronActor:
         self.micro_batch_tokens = micro_batch_tokens
         self.balance_quadratic = balance_quadratic  # a sample's cost when balancing: tokens + this * tokens^2
         self.chunks: list[Any]  # the model chunks (one per virtual pipeline stage), DDP-wrapped for training
-        self.chunks, self.config = build_model(hf_config, layout, self.model_options)
-        if self.lora is not None:  # before DDP and the optimizer: they take only the adapters
-            weights = self.family.weight_map(hf_config)
-            install_lora(
-                self.chunks, self.lora, weights,
-                lambda c, name: hf_weights.global_name(self.chunks[c], name, weights.num_experts), hf_weights.tp_shard,
-            )  # fmt: skip
+        self.chunks, self.config = self._build_chunks(hf_config, layout)
         self.routers = MoERouters(self.chunks)
         self.optimizer: Any = None
         self.scheduler: Any = None
@@ -124,6 +118,17 @@ class MegatronActor:
             "pp": ps.get_pipeline_model_parallel_group(),
             "dp": ps.get_data_parallel_group(),
         }
+
+    def _build_chunks(self, hf_config: HFConfig, layout: ParallelLayout) -> tuple[list[Any], Any]:
+        """The bare model chunks and their config (under LoRA with adapters: DDP and the optimizer take only them)."""
+        chunks, config = build_model(hf_config, layout, self.model_options)
+        if self.lora is not None:
+            weights = self.family.weight_map(hf_config)
+            install_lora(
+                chunks, self.lora, weights,
+                lambda c, name: hf_weights.global_name(chunks[c], name, weights.num_experts), hf_weights.tp_shard,
+            )  # fmt: skip
+        return chunks, config
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -169,8 +174,7 @@ class MegatronActor:
         self._check_resident("reset_optimizer_state")
         training_setup.zero_optimizer_state(self.optimizer)
 
-    def reload_main_params(self) -> None:
-        """After weights changed outside the optimizer, copy them into its fp32 main parameters."""
+    def reload_main_params(self) -> None:  # after weights changed outside the optimizer: into its fp32 main params
         training_setup.reload_main_params(self.optimizer)
 
     # ------------------------------------------------------------------ accelerator memory
@@ -263,10 +267,8 @@ class MegatronActor:
         return outputs, recorded, agreement
 
     def _plan(self, batch: TokenBatch) -> RankPlan:
-        return plan_micro_batches(
-            batch, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=self.model_options.packing,
-            quadratic=self.balance_quadratic,
-        )  # fmt: skip
+        options = {"packing": self.model_options.packing, "quadratic": self.balance_quadratic}
+        return plan_micro_batches(batch, self.micro_batch_tokens, self.layout, self._groups["dp"], **options)
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]`."""

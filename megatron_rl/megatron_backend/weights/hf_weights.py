@@ -77,14 +77,18 @@ def global_name(model: Any, name: str, num_experts: int) -> str:
 
 def local_params(chunks: list[nn.Module], weights: WeightMap) -> list[LocalParam]:
     """This rank's parameters, and the buffers a mapping covers (a router's expert bias), named by global layer and
-    global expert index; LoRA adapters are not among them, they ride with their layer's weight (`LocalParam`)."""
+    global expert index; LoRA adapters are not among them, they ride with their layer's weight (`LocalParam`), nor
+    parameters marked `not_in_hf_map` (the critic's value head)."""
     from megatron_rl.megatron_backend.lora.adapters import is_lora_param
 
     out: list[LocalParam] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         modules = dict(model.named_modules())
-        tensors = [(n, t, True) for n, t in model.named_parameters() if not is_lora_param(n)]
+        tensors = [
+            (n, t, True) for n, t in model.named_parameters()
+            if not is_lora_param(n) and not getattr(t, "not_in_hf_map", False)  # a critic's value head
+        ]  # fmt: skip
         tensors += [(n, t, False) for n, t in model.named_buffers()]
         for local, param, is_param in tensors:
             name = global_name(model, local, weights.num_experts)
@@ -195,15 +199,19 @@ def unused_checkpoint_tensors(
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[nn.Module], model_dir: str | Path, family: ModelFamily, hf: HFConfig) -> None:
+def load_hf_weights(
+    chunks: list[nn.Module], model_dir: str | Path, family: ModelFamily, hf: HFConfig, *,
+    also_present: frozenset[str] = frozenset(),
+) -> None:  # fmt: skip
     """Fill this rank's shards of `chunks` from an HF checkpoint directory (each rank reads only its tensors).
 
-    Tensors the family marks unused (MTP layers) are skipped and named on stderr by rank 0.
+    Tensors the family marks unused (MTP layers) are skipped and named on stderr by rank 0; `also_present` names
+    tensors the caller reads or ignores itself (a critic's score head and the unused LM head).
     """
     model_dir = Path(model_dir)
     weights = family.weight_map(hf)
     index = SafetensorsIndex(model_dir)
-    skipped = unused_checkpoint_tensors(family, hf, weights, index.names(), model_dir)
+    skipped = unused_checkpoint_tensors(family, hf, weights, index.names() - also_present, model_dir)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         for reason, names in skipped.items():
             print(f"[megatron-rl] skipped {len(names)} checkpoint tensors ({reason}): {names[:4]}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""The value model (critic) of PPO with a learned baseline."""
