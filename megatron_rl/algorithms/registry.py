@@ -43,3 +43,17 @@ class Registry(Generic[F]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+
+class NameSet:
+    """A config field's valid names: a registry's and names served elsewhere (``algo.advantage``'s ``gae``, which
+    needs a critic's values, not a function of the group rewards)."""
+
+    def __init__(self, registry: Registry, extra: tuple[str, ...]) -> None:
+        self.kind, self._registry, self._extra = registry.kind, registry, extra
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted((*self._registry.names(), *self._extra)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._extra or name in self._registry

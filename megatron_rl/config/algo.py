@@ -7,9 +7,45 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.algorithms.gae import ADVANTAGE as GAE
+from megatron_rl.algorithms.registry import NameSet
 from megatron_rl.config.fields import setting
 
-PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo"]
+PresetName = Literal["none", "grpo", "dapo", "gspo", "sapo", "dr_grpo", "cispo", "ppo", "vapo"]
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO with a learned critic (``algo.advantage: gae``): a value model in the actor's parallel layout, GAE
+    advantages over the generated tokens and the clipped value loss (docs/algorithms.md, "PPO with a critic")."""
+
+    hf_path: str | None = setting(
+        None,
+        help="HF checkpoint of the value model: the policy's family and tokenizer, any size; a reward model's "
+        "score.weight (num_labels=1) becomes its value head; null = the policy's checkpoint with a fresh head",
+    )
+    lr: float = setting(1e-5, help="the critic's peak learning rate (the rest of its optimizer is `optimizer`'s)", gt=0)
+    warmup_steps: int = setting(
+        0,
+        help="rollout steps that train the critic alone before the actor's first update (VAPO's value pre-training); "
+        "not counted in trainer.steps",
+        ge=0,
+    )
+    gamma: float = setting(1.0, help="discount γ per generated token", ge=0, le=1)
+    lam: float = setting(1.0, help="GAE λ of the critic's returns (VAPO: 1.0)", ge=0, le=1)
+    lam_actor: float | None = setting(
+        None, help="GAE λ of the actor's advantages (VAPO's decoupled λ); null = lam", ge=0, le=1
+    )
+    lam_actor_alpha: float = setting(
+        0.0,
+        help="> 0: the actor's λ adapts to each response's length l as 1 - 1/(alpha * l) (VAPO eq. 7, alpha = "
+        "0.05), replacing lam_actor; 0 = off",
+        ge=0,
+    )
+    value_clip: float | None = setting(
+        0.5, help="value clip ε_v: the new value is kept within ε_v of the old one in the loss; null = no clip", gt=0
+    )
+    whiten: bool = setting(True, help="whiten the actor's advantages over the step's tokens (verl's masked_whiten)")
 
 
 @dataclass(frozen=True)
@@ -95,8 +131,9 @@ class AlgoConfig:
     tau_neg: float = setting(1.05, help="SAPO gate temperature for non-positive advantages", gt=0)
     advantage: str = setting(
         "grpo",
-        help="advantage estimator (megatron_rl.algorithms.ADVANTAGE_ESTIMATORS); all are group-relative",
-        registry=ADVANTAGE_ESTIMATORS,
+        help="advantage estimator: a group-relative one (megatron_rl.algorithms.ADVANTAGE_ESTIMATORS), or gae = a "
+        "learned critic's values (algo.critic)",
+        registry=NameSet(ADVANTAGE_ESTIMATORS, (GAE,)),
     )
     norm_adv_by_std: bool = setting(
         True,
@@ -106,6 +143,11 @@ class AlgoConfig:
         0.0,
         help="beta of the KL-to-reference term added to the loss (GRPO: 0.04); 0 = no reference model is built",
         ge=0,
+    )
+    kl_in_reward: bool = setting(
+        False,
+        help="with algo.advantage=gae: the KL to the reference is a per-token reward -kl_coef * (log π_old - log "
+        "π_ref) (InstructGPT, verl's use_kl_in_reward) instead of a loss term",
     )
     kl_estimator: str = setting(
         "k3", help="KL estimator of the loss term (megatron_rl.algorithms.KL_ESTIMATORS)", registry=KL_ESTIMATORS
@@ -167,6 +209,7 @@ class AlgoConfig:
     distill: DistillConfig = setting(
         default_factory=DistillConfig, help="on-policy distillation from a teacher (per-token reverse KL)"
     )
+    critic: CriticConfig = setting(default_factory=CriticConfig, help="the learned critic of algo.advantage=gae")
     mini_batches_per_step: int = setting(
         1,
         help="optimizer updates per pass: the rollout batch is split into this many mini-batches (updates per "

@@ -140,6 +140,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_NO_KL,
         **_DAPO_SHAPING,
     },
+    # PPO with a learned critic (Schulman et al., arXiv 1707.06347; Ouyang et al., InstructGPT, arXiv 2203.02155),
+    # as verl runs it by default: GAE with gamma = lambda = 1, value clip 0.5, whitened advantages, no KL.
+    "ppo": {
+        "loss": "ppo",
+        "clip_low": 0.2,
+        "clip_high": 0.2,
+        "clip_c": None,
+        "agg": "token-mean",
+        "agg_norm": None,
+        "advantage": "gae",
+        "norm_adv_by_std": True,  # unused by gae
+        **_NO_KL,
+        **_NO_SHAPING,
+        "critic": {"gamma": 1.0, "lam": 1.0, "lam_actor": None, "lam_actor_alpha": 0.0, "value_clip": 0.5,
+                   "whiten": True},
+    },
+    # VAPO, arXiv 2504.05118 §3-4: decoupled GAE (lambda_critic = 1.0 eq. 6, length-adaptive lambda_policy =
+    # 1 - 1/(alpha l) with alpha = 0.05, eq. 7), 50 value pre-training steps, Clip-Higher 0.2/0.28, token-level
+    # loss, no KL. Its positive-example LM loss and group sampling are not part of the preset.
+    "vapo": {
+        "loss": "ppo",
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_c": None,
+        "agg": "token-mean",
+        "agg_norm": None,
+        "advantage": "gae",
+        "norm_adv_by_std": True,  # unused by gae
+        **_NO_KL,
+        **_NO_SHAPING,
+        "critic": {"gamma": 1.0, "lam": 1.0, "lam_actor": None, "lam_actor_alpha": 0.05, "value_clip": 0.5,
+                   "whiten": True, "warmup_steps": 50},
+    },
 }
 
 

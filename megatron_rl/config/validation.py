@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
+from megatron_rl.algorithms.gae import ADVANTAGE as GAE
+from megatron_rl.config.critic_checks import check_critic
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.config.side_models import check_side_models
@@ -30,7 +32,7 @@ def validate(cfg: RLConfig) -> list[str]:
     errors: list[str] = []
     notes: list[str] = []
     checks = (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_stop_on)
-    for check in (*checks, _check_optimizer, _check_lora):
+    for check in (*checks, _check_optimizer, _check_lora, check_critic):
         check(cfg, errors, notes)
     if len(errors) == 1:
         raise ConfigError(errors[0])
@@ -119,15 +121,16 @@ def _check_algo(cfg: RLConfig, errors: list[str], notes: list[str]) -> None:
             f"algo.gspo_kernel={algo.gspo_kernel!r} computes loss=gspo/gspo_token with agg='seq-mean-token-mean' "
             f"only, not loss={algo.loss!r} with agg={algo.agg!r}; set algo.gspo_kernel=auto or reference"
         )
-    if rollout.n_samples < 2:
+    grouped = algo.advantage != GAE  # the critic's GAE needs no group
+    if rollout.n_samples < 2 and grouped:
         errors.append(
             f"rollout.n_samples={rollout.n_samples}: algo.advantage={algo.advantage!r} is group-relative, so a "
-            "group of one response has advantage 0 and nothing is learned; use rollout.n_samples >= 2"
+            "group of one response has advantage 0 and nothing is learned; use rollout.n_samples >= 2 (or gae)"
         )
-        if algo.dynamic_sampling:
-            errors.append("algo.dynamic_sampling needs rollout.n_samples > 1: a group of one is always 'all equal'")
-    estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage)
-    takes_std_option = "norm_by_std" in inspect.signature(estimator).parameters
+    if rollout.n_samples < 2 and algo.dynamic_sampling:
+        errors.append("algo.dynamic_sampling needs rollout.n_samples > 1: a group of one is always 'all equal'")
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage) if grouped else None
+    takes_std_option = estimator is None or "norm_by_std" in inspect.signature(estimator).parameters
     if not algo.norm_adv_by_std and not takes_std_option and algo.advantage != "dr_grpo":
         errors.append(
             f"algo.norm_adv_by_std=false has no effect with algo.advantage={algo.advantage!r} (only 'grpo' "

@@ -96,7 +96,7 @@ def test_literal_lists_valid_values_and_suggests():
     assert "algo.routing_replay='r2': must be one of 'off', 'R2', 'R3'" in msg and "did you mean 'R2'?" in msg
     msg = error(["rollout.engine=vllm"])
     assert "must be one of 'local', 'sglang'" in msg
-    assert "'none', 'grpo', 'dapo', 'gspo', 'sapo', 'dr_grpo', 'cispo'" in error(["algo.preset=ppo"])
+    assert "'none', 'grpo', 'dapo', 'gspo', 'sapo', 'dr_grpo', 'cispo', 'ppo', 'vapo'" in error(["algo.preset=trpo"])
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_literal_lists_valid_values_and_suggests():
     [
         ("algo.loss=gpso", "policy loss", "cispo, gspo, gspo_token, ppo, sapo"),
         ("algo.agg=token_mean", "aggregation mode", "seq-mean-token-mean"),
-        ("algo.advantage=grpo2", "advantage estimator", "dr_grpo, grpo, reinforce_pp, rloo"),
+        ("algo.advantage=grpo2", "advantage estimator", "dr_grpo, gae, grpo, reinforce_pp, rloo"),
         ("algo.kl_estimator=k33", "KL estimator", "k1, k2, k3, low_var_kl"),
     ],
 )

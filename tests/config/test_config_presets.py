@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.config import PRESETS, AlgoConfig, OfMaxNewTokens, load_config, preset_values
-from megatron_rl.config.algo import PresetName
+from megatron_rl.config.algo import CriticConfig, PresetName
 from megatron_rl.config.presets import CORE_KEYS
 
 MAX_NEW = 1000
@@ -80,6 +80,24 @@ DOCUMENTED = {
         dynamic_sampling=True,
         overlong_buffer=MAX_NEW // 5,
     ),
+    "ppo": dict(  # PPO with a critic as verl runs it: GAE gamma = lambda = 1, value clip 0.5, whitened, no KL
+        loss="ppo",
+        clip_low=0.2,
+        clip_high=0.2,
+        agg="token-mean",
+        advantage="gae",
+        kl_coef=0.0,
+        critic=CriticConfig(gamma=1.0, lam=1.0, value_clip=0.5, whiten=True),
+    ),
+    "vapo": dict(  # VAPO: lambda_critic 1, length-adaptive lambda_actor (alpha 0.05), 50 value pre-training steps
+        loss="ppo",
+        clip_low=0.2,
+        clip_high=0.28,
+        agg="token-mean",
+        advantage="gae",
+        kl_coef=0.0,
+        critic=CriticConfig(gamma=1.0, lam=1.0, lam_actor_alpha=0.05, value_clip=0.5, whiten=True, warmup_steps=50),
+    ),
 }
 
 
@@ -103,7 +121,7 @@ def test_preset_sets_every_core_key_with_valid_names(name: str):
     assert set(CORE_KEYS) <= set(values), set(CORE_KEYS) - set(values)
     assert set(values) <= {f.name for f in dataclasses.fields(AlgoConfig)}
     assert values["loss"] in POLICY_LOSSES and values["agg"] in AGGREGATIONS
-    assert values["advantage"] in ADVANTAGE_ESTIMATORS and values["kl_estimator"] in KL_ESTIMATORS
+    assert values["advantage"] in (*ADVANTAGE_ESTIMATORS.names(), "gae") and values["kl_estimator"] in KL_ESTIMATORS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -111,7 +129,9 @@ def test_every_preset_is_valid_with_defaults(name: str):
     cfg = load_config(None, ["model.hf_path=/models/m", f"algo.preset={name}"])
     assert cfg.algo.preset == name
     resolved = preset_values(name, cfg.rollout.sampling.max_new_tokens)
-    assert {key: getattr(cfg.algo, key) for key in resolved} == resolved
+    for key, value in resolved.items():  # a nested section (algo.critic) by the keys the preset sets
+        got = getattr(cfg.algo, key)
+        assert {k: getattr(got, k) for k in value} == value if isinstance(value, dict) else got == value, key
 
 
 def test_dapo_overlong_buffer_matches_paper_at_paper_length():
