@@ -66,8 +66,8 @@ def worker(args: argparse.Namespace) -> None:
         shutdown,
     )
     from megatron_rl.parallel_layout import ParallelLayout
-    from megatron_rl.trainer.rl_batch import samples_to_batch
-    from megatron_rl.trainer.step_plan import RankRows, plan_step, share_rows
+    from megatron_rl.trainer.step.rl_batch import samples_to_batch
+    from megatron_rl.trainer.step.step_plan import RankRows, plan_step, share_rows
 
     init_distributed(ParallelLayout(), seed=0)
     rank = dist.get_rank()

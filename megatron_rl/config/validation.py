@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.gae import ADVANTAGE as GAE
-from megatron_rl.config.critic_checks import check_critic
+from megatron_rl.config.algo import check_critic
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.config.side_models import check_side_models

@@ -136,9 +136,11 @@ def write_trainer_state(
     trainer: dict,
     world_size: int,
     run_id: str | None,
+    critic: dict | None = None,
 ) -> None:
     """Write `trainer_state.json`: the step, the actor's step, LR scheduler and Adam step counts, the trainer's own
-    state (data position, ...), the world size that wrote the RNG files, and the id of the run."""
+    state (data position, ...), the world size that wrote the RNG files, the id of the run, and with PPO's critic
+    its step, scheduler and Adam step counts (`critic`)."""
     state = {
         "step": step,
         "actor_step": actor_step,
@@ -147,6 +149,7 @@ def write_trainer_state(
         "trainer": trainer,
         "world_size": world_size,
         "run_id": run_id,
+        **({"critic": critic} if critic is not None else {}),
     }
     (checkpoint / TRAINER_STATE).write_text(json.dumps(state, indent=1, default=str))
 

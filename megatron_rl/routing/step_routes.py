@@ -10,7 +10,7 @@ compact host `RouteCache`, keyed by the sample's row in the step's batch, and is
     routes.after_scoring(keys, scored, lengths)                       # R2: keep the recorded routes
     routes.metrics()                                                  # cache size, agreement metrics
 
-A rank is only ever given its own rows (`trainer.step_plan`), so every row of a mini-batch it passes is fed.
+A rank is only ever given its own rows (`trainer.step.step_plan`), so every row of a mini-batch it passes is fed.
 """
 
 from __future__ import annotations

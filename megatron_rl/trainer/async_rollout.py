@@ -37,7 +37,7 @@ from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.partial_rollout import generate_continuing, version_spans
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import version_step
-from megatron_rl.trainer.step_metrics import rollout_metrics
+from megatron_rl.trainer.step.step_metrics import rollout_metrics
 
 
 def oldest_version(sample: Sample) -> int:

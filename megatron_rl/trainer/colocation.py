@@ -31,10 +31,11 @@ __all__ = ["ColocatedMemory"]
 
 
 class ColocatedMemory:
-    """Moves the actor and the engine's memory between phases; collects `memory/*` and `time/*` metrics."""
+    """Moves the actor (and the critic, which follows it) and the engine's memory between phases; collects
+    `memory/*` and `time/*` metrics."""
 
-    def __init__(self, actor, engine, *, offload_actor: bool, release_engine: bool):
-        self.actor = actor
+    def __init__(self, actor, engine, *, offload_actor: bool, release_engine: bool, critic=None):
+        self.models = {"actor": actor} if critic is None else {"actor": actor, "critic": critic}
         self.engine = engine
         self.offload_actor = offload_actor
         self.release_engine = release_engine
@@ -42,11 +43,12 @@ class ColocatedMemory:
 
     def for_rollout(self) -> None:
         """Actor to the host, the engine's caches back (its weights are resident: the last sync filled them)."""
-        if self.offload_actor and not self.actor.offloaded:
-            stats = self.actor.offload()
-            self._add("time/actor_offload", stats.seconds)
-            self._metrics["memory/actor_offloaded_gib"] = stats.gib
-            self._sample_device("memory/device_gib_rollout")
+        for name, model in self.models.items():
+            if self.offload_actor and not model.offloaded:
+                stats = model.offload()
+                self._add(f"time/{name}_offload", stats.seconds)
+                self._metrics[f"memory/{name}_offloaded_gib"] = stats.gib
+                self._sample_device("memory/device_gib_rollout")
         if self.release_engine:
             t = time.perf_counter()
             self._engine_call(self.engine.resume_memory, list(CACHE_TAGS))
@@ -59,10 +61,11 @@ class ColocatedMemory:
             tags = CACHE_TAGS if keep_engine_weights else MEMORY_TAGS
             self._engine_call(self.engine.release_memory, list(tags))
             self._add("time/engine_release", time.perf_counter() - t)
-        if self.actor.offloaded:
-            stats = self.actor.reload()
-            self._add("time/actor_reload", stats.seconds)
-            self._sample_device("memory/device_gib_train")
+        for name, model in self.models.items():
+            if model.offloaded:
+                stats = model.reload()
+                self._add(f"time/{name}_reload", stats.seconds)
+                self._sample_device("memory/device_gib_train")
 
     def for_weight_sync(self) -> None:
         """The engine re-allocates released weights, to be filled by the sync that follows."""

@@ -12,24 +12,25 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.algorithms.gae import ADVANTAGE as GAE
 from megatron_rl.config import dump_yaml, format_config, to_dict
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.config.stop_on import stop_rules
 from megatron_rl.evaluation.runner import Evaluator
 from megatron_rl.megatron_backend import platform
-from megatron_rl.megatron_backend.actor.batch import LossFn
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.reference import reference_from_hf
 from megatron_rl.megatron_backend.actor.teacher import FrozenScorer, teacher_from_hf
 from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
+from megatron_rl.megatron_backend.critic.value_model import MegatronCritic
 from megatron_rl.megatron_backend.distributed import broadcast_object, decided_on_rank0, init_distributed, shutdown
 from megatron_rl.megatron_backend.lora.peft_format import save_peft_adapter
 from megatron_rl.megatron_backend.lora.reference import AdapterReference
@@ -37,10 +38,7 @@ from megatron_rl.megatron_backend.weights.hf_export import save_hf_checkpoint
 from megatron_rl.models.architecture import max_positions, model_dims
 from megatron_rl.models.family import ModelDims
 from megatron_rl.models.hf_config import read_hf_config
-from megatron_rl.rollout.data import PromptData
-from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engines.engine_factory import build_engine
-from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.trainer.async_rollout import AsyncRollout, ProducedBatch, RolloutProducer
 from megatron_rl.trainer.colocation import ColocatedMemory
 from megatron_rl.trainer.guards.fidelity_guard import FidelityGuard, FidelityStop
@@ -50,25 +48,20 @@ from megatron_rl.trainer.guards.sync_verification import build_verifier
 from megatron_rl.trainer.logs import run_dir
 from megatron_rl.trainer.logs.run_log import RunLog, run_header
 from megatron_rl.trainer.logs.sample_log import SampleLog
-from megatron_rl.trainer.old_policy_scores import distill_advantages, score_old_and_reference
-from megatron_rl.trainer.policy_updates import first_update_scores_itself, run_updates
-from megatron_rl.trainer.rl_batch import step_advantages
-from megatron_rl.trainer.rl_loss import build_rl_loss
 from megatron_rl.trainer.rollout_phase import (
     NoEngine,
     NoRollout,
-    RolloutSource,
     SyncRollout,
     WeightSync,
-    collect_rollout,
     engine_run,
     prompt_data,
     serve_side_models,
     teacher_engine,
 )
 from megatron_rl.trainer.run_state import RunState
-from megatron_rl.trainer.step_metrics import StepClock, training_metrics
-from megatron_rl.trainer.step_plan import rank_batch
+from megatron_rl.trainer.step.critic_phase import build_value_loss
+from megatron_rl.trainer.step.rl_loss import build_rl_loss
+from megatron_rl.trainer.step.rl_step import StepParts, rl_step
 from megatron_rl.trainer.warmup import WarmupRun, check_warmup_data, run_warmup
 
 WARMUP_MODEL = "warmup_model"  # the run folder's HF checkpoint of the warmed-up (SFT) model
@@ -82,44 +75,6 @@ class TrainResult:
     plots: list[Path]
     stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that stopped the run at a step boundary
     already_complete: bool = False  # nothing was done: the run had reached trainer.steps
-
-
-@dataclass(frozen=True)
-class StepParts:
-    """What an RL step works with. `weights` sends the actor's weights to rank 0's rollout engine (`NoEngine` on the
-    other ranks). Built before the warm-up; the reference and async mode's producer, which need the warmed-up
-    policy, join it after (`dataclasses.replace`)."""
-
-    cfg: RLConfig
-    actor: MegatronActor
-    weights: WeightSync
-    reference: FrozenScorer | None  # the KL reference: host-swapped weights (LoRA: the base, adapters off)
-    data: PromptData
-    tokenizer: Any
-    loss_fn: LossFn
-    memory: ColocatedMemory
-    source: RolloutSource = NoRollout()  # rank 0: where its step batches come from (SyncRollout, AsyncRollout)
-    teacher: FrozenScorer | None = None  # algo.distill.teacher served by Megatron (host-swapped or resident)
-    producer: RolloutProducer | None = None  # async mode, rank 0
-    samples_log: SampleLog | None = None  # rank 0: samples.jsonl / eval_samples.jsonl and the console excerpt
-    evaluator: Evaluator | None = None  # rank 0, with data.eval: the evaluation datasets
-    guard: FidelityGuard = field(default_factory=lambda: FidelityGuard([]))  # trainer.stop_on's rules
-
-    @property
-    def requests(self) -> RolloutEngine:
-        """The engine for requests outside the rollout (evaluation): through the producer's gate in async mode."""
-        return self.producer.engine if self.producer is not None else self.weights.engine
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Rank 0: the evaluation after step `step` (step 0: before any update), on the engine's current weights;
-        its samples go to eval_samples.jsonl. In async mode the requests share the producer's gate, so the trainer
-        waits only for the generation and scoring of the evaluation itself."""
-        if self.evaluator is None:
-            raise RuntimeError("evaluate() runs on rank 0, which holds the rollout engine, with data.eval set")
-        log = self.samples_log
-        return self.evaluator.evaluate(
-            self.requests, step, on_samples=None if log is None else lambda name, s: log.add_eval(step, s, name)
-        )
 
 
 def train(cfg: RLConfig, *, resume_command: str | None = None, verbose: bool = False) -> TrainResult:
@@ -194,6 +149,8 @@ def _run(
         teacher=_teacher_weights(cfg, parts.actor),
     )
     _first_sync(parts, state)
+    if parts.critic is not None and state.step == 0:
+        warm_up_critic(parts)
     evaluating = bool(cfg.data.eval and cfg.data.eval_every)
     if state.step == 0 and evaluating:
         parts.memory.for_rollout()
@@ -263,16 +220,18 @@ def _build_parts(
         check_warmup_data(data.sft_source(), positions)
     evaluator = Evaluator(data, tokenizer)  # its rewards resolved: an unknown one is refused before the build
     actor = build_actor(cfg, model_dir)
+    critic = build_critic(cfg, model_dir, actor)
     rank0 = dist.get_rank() == 0
     engine = build_engine(cfg.rollout, engine_run(cfg), model_dir, platform.device()) if rank0 else NoEngine()
     closing.callback(engine.shutdown)
     state = RunState()
     if plan.resume_from is not None:
-        state = RunState.from_saved(checkpoint.load_checkpoint(actor, plan.resume_from))
+        state = RunState.from_saved(checkpoint.load_checkpoint(actor, plan.resume_from, critic=critic))
         data.load_state_dict(state.data)
     memory = ColocatedMemory(
-        actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory
-    )
+        actor, engine, offload_actor=cfg.trainer.offload_actor, release_engine=cfg.rollout.release_memory,
+        critic=critic,
+    )  # fmt: skip
     source = SyncRollout(engine, data) if rank0 else NoRollout()  # async: replaced once warmed up
     log = None
     if rank0:
@@ -292,7 +251,8 @@ def _build_parts(
         cfg, actor, weights, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
         samples_log=log.samples if log is not None else None,
         evaluator=evaluator if rank0 else None,
-        guard=FidelityGuard(stop_rules(cfg)[0]),
+        guard=FidelityGuard(stop_rules(cfg)[0]), critic=critic,
+        value_loss=build_value_loss(cfg.algo.critic.value_clip) if critic is not None else None,
     )  # fmt: skip
     return parts, state, log
 
@@ -318,6 +278,40 @@ def build_actor(cfg: RLConfig, model_dir: Path) -> MegatronActor:
         balance_quadratic=cfg.trainer.balance_quadratic,
         lora=cfg.model.lora,
     )
+
+
+def build_critic(cfg: RLConfig, model_dir: Path, actor: MegatronActor) -> MegatronCritic | None:
+    """With `algo.advantage: gae`, the value model in the actor's layout: `algo.critic.hf_path` (the policy's
+    checkpoint with a fresh head when null), trained at `algo.critic.lr` with the rest of `optimizer`'s settings."""
+    options = cfg.algo.critic
+    if cfg.algo.advantage != GAE:
+        return None
+    critic = MegatronCritic.from_hf(
+        options.hf_path or model_dir, cfg.parallel, model_options=cfg.model.options,
+        optimizer_options=replace(cfg.optimizer, lr=options.lr, min_lr=min(cfg.optimizer.min_lr, options.lr)),
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens, balance_quadratic=cfg.trainer.balance_quadratic,
+    )  # fmt: skip
+    if critic.dims.vocab_size != actor.dims.vocab_size:
+        raise ValueError(
+            f"algo.critic.hf_path={options.hf_path}: vocabulary of {critic.dims.vocab_size} tokens, the policy's has "
+            f"{actor.dims.vocab_size}; the critic must read the policy's tokens (same tokenizer)"
+        )
+    return critic
+
+
+def warm_up_critic(parts: StepParts) -> None:
+    """`algo.critic.warmup_steps` rollout steps that train the critic alone before the actor's first update (VAPO's
+    value pre-training), numbered 1 - n .. 0 (their sampling seeds and plans differ from the RL steps'); rank 0
+    prints each one's fit."""
+    n = parts.cfg.algo.critic.warmup_steps
+    for i in range(1, n + 1):
+        metrics = rl_step(parts, i - n, first_step=1 - n, critic_only=True)
+        if dist.get_rank() == 0:
+            fit = ", ".join(f"{k.split('/')[1]} {metrics[k]:.4g}" for k in CRITIC_WARMUP_SHOWN if k in metrics)
+            print(f"critic warm-up {i}/{n}: {fit}", flush=True)
+
+
+CRITIC_WARMUP_SHOWN = ("critic/vf_loss", "critic/explained_variance", "critic/values_mean", "critic/returns_mean")
 
 
 def _prepare_policy(parts: StepParts, state: RunState, model_dir: Path, warmed_up: Path, warmup: WarmupRun) -> bool:
@@ -388,6 +382,7 @@ def _save(
             keep_last=parts.cfg.trainer.keep_last or 10**9,
             run_id=plan.identity.run_id,
             background=saves,
+            critic=parts.critic,
         )
         stop.last_checkpoint = step if saves is None else saves.published
     return time.perf_counter() - t
@@ -400,78 +395,6 @@ def _finish_save(saves: checkpoint.BackgroundSaves | None, stop: StopSignals) ->
         with stop.writing("checkpoint being written in the background"):
             saves.close()
             stop.last_checkpoint = saves.published
-
-
-# ---------------------------------------------------------------------------------------------- one RL step
-def rl_step(p: StepParts, step: int, first_step: int) -> dict[str, float]:
-    """RL step `step`; `first_step` is the first step of this start (routing replay checks its alignment there)."""
-    cfg, clock = p.cfg, StepClock()
-
-    # 1. Rollout with rewards (and dynamic sampling) on rank 0; every rank learns the samples' lengths and rewards.
-    #    Colocated: the engine holds the accelerator (memory.for_rollout), then hands it to the trainer.
-    with clock("time/rollout"):
-        p.memory.for_rollout()
-        rollout = collect_rollout(cfg.rollout.restarts_per_step, step, p.weights, p.source, p.memory)
-        p.memory.for_training()
-    if not rollout.lengths:  # dynamic sampling kept no group within its tries: nothing to learn from this step
-        _keep_engine_in_step(p, step)
-        return {**rollout.metrics, **clock.metrics(), **p.memory.pop_metrics(), **p.weights.pop_metrics()}
-
-    # 2. Advantages from the group-structured rewards (every rank alike).
-    advantages = step_advantages(cfg.algo, rollout.rewards, cfg.rollout.n_samples)
-    if p.samples_log is not None and rollout.samples is not None:  # rank 0
-        p.samples_log.add_step(step, rollout.samples, advantages.tolist())
-
-    # 3. The step's plan, fixed for all its passes: its mini-batches and each data-parallel rank's rows of them.
-    #    Rank 0 sends each rank only its rows (routes included); old-policy log-probs are computed on exactly the
-    #    micro-batches the first update trains on, so its new/old ratio is bitwise 1 (ppo_kl == 0), or taken from
-    #    that update's own forward on unchecked steps (`algo.first_update_check`, trainer/policy_updates.py).
-    with clock("time/old_logp"):
-        rank = rank_batch(cfg, step, rollout, advantages, p.actor.dims)
-        replay = replay_checks(cfg, step, first_step)
-        on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
-        entropy = score_old_and_reference(
-            p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
-            teacher_top_k=cfg.algo.distill.top_k,
-        )  # fmt: skip
-        distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}
-
-    # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
-    with clock("time/train"):
-        updates = run_updates(
-            p.actor, p.loss_fn, rank, replay, entropy, on_policy=on_policy, step=step,
-            on_nonfinite=cfg.trainer.on_nonfinite, skip_grad_norm_above=p.guard.skip_grad_norm_above,
-        )  # fmt: skip
-        metrics = {**rollout.metrics, **distilled, **training_metrics(rank, entropy, updates, on_policy=on_policy)}
-
-    # 5. Weight sync to the rollout engine (async mode: between the producer's requests, on its schedule).
-    with clock("time/weight_sync"):
-        p.memory.for_weight_sync()
-        with p.source.updating(step):
-            p.weights.send_or_defer(step, f"step {step}: weight sync")
-    metrics.update({**clock.metrics(), **p.memory.pop_metrics(), **p.weights.pop_metrics()})
-    metrics["perf/tokens_per_s"] = sum(rollout.lengths) / metrics["time/step"]
-    return metrics
-
-
-def _keep_engine_in_step(p: StepParts, step: int) -> None:
-    """A step without an update: async mode's producer still expects the weights of version `step` (the same as
-    `step - 1`'s); colocated with `rollout.release_memory`, the engine's released weights are sent again."""
-    what = f"step {step}: weight sync"
-    if p.cfg.trainer.mode == "async":
-        with p.source.updating(step):
-            p.weights.send_or_defer(step, what)
-    elif p.cfg.rollout.release_memory:
-        p.memory.for_weight_sync()
-        p.weights.send_or_defer(step - 1, what)
-
-
-def replay_checks(cfg: RLConfig, step: int, first_step: int) -> ReplayChecks:
-    """What this step's replaying passes verify (`algo.replay_check`, `algo.replay_agreement_every`)."""
-    algo = cfg.algo
-    check = algo.replay_check == "every_step" or (algo.replay_check == "first_step" and step == first_step)
-    every = algo.replay_agreement_every
-    return ReplayChecks(check=check, agreement=every > 0 and step % every == 0)
 
 
 # ---------------------------------------------------------------------------------------------- parts

@@ -28,7 +28,7 @@ from megatron_rl.rollout.engines.engine_factory import EngineRun, build_engine
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
 from megatron_rl.trainer.colocation import ColocatedMemory
-from megatron_rl.trainer.step_metrics import rollout_metrics
+from megatron_rl.trainer.step.step_metrics import rollout_metrics
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.guards.sync_verification import SyncVerifier

@@ -19,8 +19,8 @@ from megatron_rl.config import load_config
 from megatron_rl.rollout.sglang.sglang_server import SGLangLaunchConfig, SGLangServers
 from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
 from megatron_rl.tiny_model import TinyQwen3MoeSpec, make_tiny_qwen3_moe
-from megatron_rl.trainer.rl_batch import samples_to_batch
 from megatron_rl.trainer.rollout_phase import teacher_engine
+from megatron_rl.trainer.step.rl_batch import samples_to_batch
 from tests.hf_reference import as_samples, hf_score, make_samples
 
 pytestmark = pytest.mark.sglang

@@ -149,7 +149,7 @@ def test_a_local_engine_teacher_of_another_size_scores_the_samples_as_transforme
     `teacher_log_probs` (position t: token t given tokens[:t])."""
     from megatron_rl.rollout.engines.local_engine import LocalEngine
     from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
-    from megatron_rl.trainer.rl_batch import samples_to_batch
+    from megatron_rl.trainer.step.rl_batch import samples_to_batch
 
     teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=2)
     rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)
@@ -199,7 +199,7 @@ def test_routing_replay_r3_works_unchanged_on_the_student_with_a_megatron_teache
 def test_a_batch_without_the_teacher_scores_stops_with_a_message() -> None:
     from megatron_rl.config.algo import DistillConfig
     from megatron_rl.megatron_backend.actor.batch import TokenBatch
-    from megatron_rl.trainer.old_policy_scores import distill_advantages
+    from megatron_rl.trainer.step.old_policy_scores import distill_advantages
 
     batch = TokenBatch(torch.ones(2, 4, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([1, 1]))
     batch.fields.update(loss_mask=torch.ones(2, 4), old_log_probs=torch.zeros(2, 4), advantages=torch.zeros(2, 4))

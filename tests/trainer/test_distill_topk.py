@@ -62,7 +62,7 @@ def test_the_megatron_teacher_returns_transformers_top_k(tmp_path: Path) -> None
 def test_a_local_engine_teacher_returns_transformers_top_k_into_the_batch(tmp_path: Path) -> None:
     from megatron_rl.rollout.engines.local_engine import LocalEngine
     from megatron_rl.rollout.teacher_scores import add_teacher_log_probs
-    from megatron_rl.trainer.rl_batch import samples_to_batch
+    from megatron_rl.trainer.step.rl_batch import samples_to_batch
 
     teacher = make_tiny_qwen3_moe(tmp_path / "teacher", TinyQwen3MoeSpec(num_hidden_layers=3), seed=2)
     rows = make_samples(TinyQwen3MoeSpec().vocab_size, n=4, seed=3)

@@ -10,7 +10,7 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.routing.replay import ReplayChecks, ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer.policy_updates import first_update_scores_itself
+from megatron_rl.trainer.step.policy_updates import first_update_scores_itself
 from tests.dist_harness import run_torchrun
 from tests.shared_runs import WarmedModel
 from tests.trainer.test_train_loop import NO_WARMUP, _history, _train

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.routing.replay import ReplayChecks
-from megatron_rl.trainer.loop import replay_checks
+from megatron_rl.trainer.step.rl_step import replay_checks
 
 
 def _cfg(check: str, every: int):

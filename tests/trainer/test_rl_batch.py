@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.sample import Sample
-from megatron_rl.trainer.rl_batch import samples_to_batch
+from megatron_rl.trainer.step.rl_batch import samples_to_batch
 
 
 def test_a_samples_loss_mask_reaches_the_batch() -> None:

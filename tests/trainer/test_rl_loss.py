@@ -11,7 +11,7 @@ import torch
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
-from megatron_rl.trainer.rl_loss import build_rl_loss, gspo_kernel
+from megatron_rl.trainer.step.rl_loss import build_rl_loss, gspo_kernel
 from tests.kernels.conftest import DEVICE, triton_gspo  # noqa: F401 (fixture used by name)
 
 

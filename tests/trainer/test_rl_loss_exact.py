@@ -12,7 +12,7 @@ import torch
 from megatron_rl.algorithms import AGGREGATIONS
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
-from megatron_rl.trainer.rl_loss import build_rl_loss
+from megatron_rl.trainer.step.rl_loss import build_rl_loss
 from tests.trainer.rl_loss_by_hand import PRESET_OF, hand_step, rl_algo
 
 # Rows per micro-batch: the last two get a dummy padding row, as the actor's fixed-shape micro-batches do.

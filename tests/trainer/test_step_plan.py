@@ -1,4 +1,4 @@
-"""The step's plan (`trainer.step_plan`) and the sharded data path: each data-parallel rank is sent only its rows,
+"""The step's plan (`trainer.step.step_plan`) and the sharded data path: each data-parallel rank is sent only its rows,
 and training is bitwise what it was when every rank received the whole batch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.megatron_backend.actor.balance import balanced_partition
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
-from megatron_rl.trainer.step_plan import RankRows, plan_step
+from megatron_rl.trainer.step.step_plan import RankRows, plan_step
 from tests.dist_harness import run_torchrun
 from tests.shared_runs import DEMO_WARMUP, EXAMPLE
 

@@ -15,7 +15,7 @@ from megatron_rl.routing.cache import padding_routes
 @dataclass(frozen=True)
 class DPShare:
     """Marks a batch that holds only this data-parallel rank's rows of a mini-batch, in the order the rank feeds
-    them (`trainer.step_plan`), instead of the whole mini-batch: the actor scores and trains them as they are."""
+    them (`trainer.step.step_plan`), instead of the whole mini-batch: the actor scores and trains them as they are."""
 
     imbalance: float = 1.0  # the mini-batch's max / mean tokens per data-parallel rank
 

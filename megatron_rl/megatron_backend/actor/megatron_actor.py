@@ -267,8 +267,9 @@ class MegatronActor:
         return outputs, recorded, agreement
 
     def _plan(self, batch: TokenBatch) -> RankPlan:
-        options = {"packing": self.model_options.packing, "quadratic": self.balance_quadratic}
-        return plan_micro_batches(batch, self.micro_batch_tokens, self.layout, self._groups["dp"], **options)
+        packing, quadratic = self.model_options.packing, self.balance_quadratic
+        return plan_micro_batches(batch, self.micro_batch_tokens, self.layout, self._groups["dp"], packing=packing,
+                                  quadratic=quadratic)  # fmt: skip
 
     def _token_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):
         """Log-probs and entropy aligned with `mb.input_ids`, from vocab-parallel logits `[b, s, V/tp]`."""

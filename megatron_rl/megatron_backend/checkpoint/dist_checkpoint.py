@@ -56,8 +56,13 @@ from megatron_rl.formats.checkpoint_format import resolve_checkpoint_dir as reso
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.checkpoint.dist_checkpoint_files import check_checkpoint_files
+from megatron_rl.megatron_backend.checkpoint.model_state import (
+    CRITIC,
+    restore_trained_state,
+    trained_fields,
+    trained_state,
+)
 from megatron_rl.megatron_backend.checkpoint.rng_state_file import read_rng_state
-from megatron_rl.megatron_backend.lora.checkpoint import adapter_sharded_state_dict, load_adapter_state
 from megatron_rl.megatron_backend.platform import mcore_compat
 from megatron_rl.models.architecture import check_same_architecture
 
@@ -71,17 +76,6 @@ def _sharding_metadata() -> dict[str, Any]:
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
     }
-
-
-def _model_sharded_state_dict(actor: MegatronActor, metadata: dict) -> dict:
-    """The model part of a checkpoint; with LoRA, the adapters alone (`lora/checkpoint.py`)."""
-    modules: list[Any] = actor.modules  # GPTModels; nn.Module's stub types their attributes as Tensor | Module
-    states = [m.sharded_state_dict(metadata=metadata) for m in modules]
-    if actor.lora is not None:
-        states = [adapter_sharded_state_dict(m, s) for m, s in zip(modules, states, strict=True)]
-    if len(modules) == 1:
-        return {"model": states[0]}
-    return {f"model{i}": s for i, s in enumerate(states)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -100,56 +94,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     platform.set_accelerator_rng_state(state.get("cuda"))
-
-
-def _inner_optimizers(actor: MegatronActor) -> list:
-    return list(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]))
-
-
-def _init_unstepped_adam_state(actor: MegatronActor) -> None:
-    """Give a torch Adam that never stepped the state its first step would create (step 0, zero moments).
-
-    Megatron's distributed optimizer reads the step count from that state when saving and fails without it
-    (a checkpoint before the first update: a run whose steps were all filtered by dynamic sampling). Torch's
-    Adam initialises exactly these values lazily, so the next step is unchanged.
-    """
-    for opt in _inner_optimizers(actor):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue  # TE / apex FusedAdam keep the step in their param groups
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:  # torch keeps a fused (or capturable) Adam's step on the parameter's device
-                    on_param = group.get("fused") or group.get("capturable")
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_param else "cpu")
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
-def _adam_steps(actor: MegatronActor) -> list[float | None]:
-    """The per-parameter Adam step count of each (chained) optimizer.
-
-    Megatron's dp_reshardable optimizer format does not carry torch Adam's per-parameter `step` (it
-    comes back as the dummy value 1), which would silently change Adam's bias correction after a
-    resume; we store it ourselves.
-    """
-    steps: list[float | None] = []
-    for opt in _inner_optimizers(actor):
-        states = list(opt.optimizer.state.values()) if hasattr(opt, "optimizer") else []
-        value = states[0].get("step") if states else None
-        steps.append(None if value is None else float(value))
-    return steps
-
-
-def _restore_adam_steps(actor: MegatronActor, steps: list[float | None]) -> None:
-    for opt, step in zip(_inner_optimizers(actor), steps, strict=True):
-        if step is None or not hasattr(opt, "optimizer"):
-            continue
-        for state in opt.optimizer.state.values():
-            if "step" in state:
-                old = state["step"]
-                state["step"] = torch.full_like(old, step) if torch.is_tensor(old) else step
 
 
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # full device, quota, file-size limit (RLIMIT_FSIZE)
@@ -315,8 +259,10 @@ def save_checkpoint(
     keep_last: int = 2,
     run_id: str | None = None,
     background: BackgroundSaves | None = None,
+    critic: MegatronActor | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+    """Collective: every rank calls it. Returns the final checkpoint directory. With `critic` (PPO's value model) its
+    weights, optimizer and schedule are in the same checkpoint (`model_state`).
 
     `run_id` is recorded in trainer_state.json; pruning to `keep_last` only removes checkpoints of the same run
     id (never another run's, never the one `latest` names). With `background` the state is snapshotted now and
@@ -338,20 +284,21 @@ def save_checkpoint(
         (tmp / RNG_DIR).mkdir()
     dist.barrier()
     metadata = _sharding_metadata()
-    state = _model_sharded_state_dict(actor, metadata)
-    if actor.optimizer is not None:
-        _init_unstepped_adam_state(actor)
-        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
+    state = trained_state(actor, metadata, is_loading=False)
+    if critic is not None:
+        state.update(trained_state(critic, metadata, name=CRITIC, is_loading=False))
     trainer_fields = None
     if rank == 0:
+        fields = trained_fields(actor)
         trainer_fields = {
             "step": step,
-            "actor_step": actor.step,
-            "scheduler": actor.scheduler.state_dict() if actor.scheduler is not None else None,
-            "adam_steps": _adam_steps(actor) if actor.optimizer is not None else None,
+            "actor_step": fields["step"],
+            "scheduler": fields["scheduler"],
+            "adam_steps": fields["adam_steps"],
             "trainer": trainer_state,
             "world_size": dist.get_world_size(),
             "run_id": run_id,
+            **({CRITIC: trained_fields(critic)} if critic is not None else {}),
         }
     small_files = _SmallFiles(tmp, rank, _rng_state(), trainer_fields, actor.hf_config)
     publish = _Publish(root, step, keep_last, run_id)
@@ -416,8 +363,11 @@ class _Publish:
         dist.barrier(group=group)
 
 
-def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True) -> dict:
-    """Collective. Restores model (any layout), optimizer + scheduler + RNG (same layout); returns trainer state."""
+def load_checkpoint(
+    actor: MegatronActor, path: str | Path, *, load_optimizer: bool = True, critic: MegatronActor | None = None
+) -> dict:
+    """Collective. Restores model (any layout), optimizer + scheduler + RNG (same layout), and with `critic` the
+    critic's (saved with the actor's); returns trainer state."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -428,14 +378,16 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
     saved = read_trainer_state(path)
     if (path / HF_CONFIG).is_file():
         check_same_architecture(actor.hf_config, read_checkpoint_json(path, HF_CONFIG), path)
+    if critic is not None and CRITIC not in saved:
+        raise CheckpointError(
+            f"{path} holds no critic (it was saved by a run without algo.advantage=gae); resume it with the advantage "
+            "estimator it was trained with, or start a new run"
+        )
     metadata = _sharding_metadata()
-    state = _model_sharded_state_dict(actor, metadata)
     with_optimizer = load_optimizer and actor.optimizer is not None
-    if with_optimizer:
-        for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-                opt._init_optimizer_states_with_dummy_values()
-        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    state = trained_state(actor, metadata, is_loading=True, with_optimizer=with_optimizer)
+    if critic is not None:
+        state.update(trained_state(critic, metadata, name=CRITIC, is_loading=True, with_optimizer=load_optimizer))
     try:
         loaded = dist_checkpointing.load(state, str(path / MEGATRON_DIR))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
@@ -444,22 +396,11 @@ def load_checkpoint(actor: MegatronActor, path: str | Path, *, load_optimizer: b
             "megatron/.metadata records: a file is corrupt inside, or the checkpoint was saved with other "
             "model options); resume from an older checkpoint or re-save it"
         ) from err
-    with torch.no_grad():
-        for i, module in enumerate(actor.modules):
-            state = loaded["model" if len(actor.modules) == 1 else f"model{i}"]
-            if actor.lora is None:
-                module.load_state_dict(state, strict=True)
-            else:  # adapters only: the frozen base is the HF checkpoint the actor was built from
-                load_adapter_state(module, state)
-        if with_optimizer:
-            actor.optimizer.load_state_dict(loaded["optimizer"])
-            if saved.get("adam_steps"):
-                _restore_adam_steps(actor, saved["adam_steps"])
-    if with_optimizer and actor.scheduler is not None and saved.get("scheduler"):
-        if hasattr(actor.scheduler, "num_steps"):  # Megatron's scheduler adds the saved step count to its own
-            actor.scheduler.num_steps = 0
-        actor.scheduler.load_state_dict(saved["scheduler"])
-    actor.step = saved.get("actor_step", saved["step"])
+    actor_fields = {**saved, "step": saved.get("actor_step", saved["step"])}
+    restore_trained_state(actor, loaded, actor_fields, with_optimizer=with_optimizer)
+    if critic is not None:
+        with_critic_optimizer = load_optimizer and critic.optimizer is not None
+        restore_trained_state(critic, loaded, saved[CRITIC], name=CRITIC, with_optimizer=with_critic_optimizer)
     rng = rng_file(path, dist.get_rank())
     if rng.is_file() and saved.get("world_size") == dist.get_world_size():
         _set_rng_state(read_rng_state(path, rng))

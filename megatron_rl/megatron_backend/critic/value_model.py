@@ -55,6 +55,14 @@ class MegatronCritic(MegatronActor):
     """A value model on this rank's share of the actor's parallel layout (`MegatronActor`'s constructor
     arguments; no LoRA)."""
 
+    @classmethod
+    def from_hf(cls, model_dir: str | Path, layout: ParallelLayout, *, hf: HFConfig | None = None,
+                **kwargs: Any) -> MegatronCritic:  # fmt: skip
+        """The critic of the checkpoint in `model_dir` (`load_hf`)."""
+        critic = super().from_hf(model_dir, layout, hf=hf, **kwargs)
+        assert isinstance(critic, MegatronCritic)
+        return critic
+
     def __init__(self, hf_config: HFConfig, layout: ParallelLayout, *args: Any, **kwargs: Any):
         # The head replaces the output layer, so nothing may tie it to the input embedding.
         super().__init__({**hf_config, "tie_word_embeddings": False}, layout, *args, **kwargs)
@@ -87,8 +95,9 @@ class MegatronCritic(MegatronActor):
             head = torch.randn(1, hidden, generator=torch.Generator().manual_seed(_HEAD_SEED)) * std
         with torch.no_grad():
             for module in self.modules:
-                if isinstance(module.output_layer if module.post_process else None, ValueHead):
-                    module.output_layer.weight.copy_(head.to(module.output_layer.weight.dtype))
+                layer: Any = module.output_layer if getattr(module, "post_process", False) else None
+                if isinstance(layer, ValueHead):
+                    layer.weight.copy_(head.to(layer.weight.dtype))
         if self.optimizer is not None:
             self.reload_main_params()
 

@@ -59,7 +59,7 @@ def _common(sample: Any, tokenizer: Any, advantage: float | None = None) -> dict
 
 
 def sample_rows(
-    step: int, samples: Sequence[Any], advantages: Sequence[float], tokenizer: Any, picks: Sequence[int]
+    step: int, samples: Sequence[Any], advantages: Sequence[float | None], tokenizer: Any, picks: Sequence[int]
 ) -> list[dict[str, Any]]:
     """Rows of samples.jsonl for the samples `picks` of step `step`; `advantages[i]` is sample i's advantage (a
     sequence-level estimator gives every token of a sample the same one)."""
@@ -135,8 +135,8 @@ class SampleLog:
         every = self.cfg.samples_every
         return every > 0 and step % every == 0
 
-    def add_step(self, step: int, samples: Sequence[Any], advantages: Sequence[float]) -> None:
-        """The scored samples of RL step `step` and their advantages (a value per sample)."""
+    def add_step(self, step: int, samples: Sequence[Any], advantages: Sequence[float | None]) -> None:
+        """The scored samples of RL step `step` and their advantages (one per sample; None: per token, by a critic)."""
         write = self.cfg.samples_per_step if self.due(step) else 0
         show = self.cfg.show_samples
         if not (write or show) or not samples:

@@ -18,7 +18,7 @@ import torch
 from megatron_rl.algorithms.distillation import topk_kl
 from megatron_rl.config.algo import DistillConfig
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
-from megatron_rl.trainer.rl_loss import build_rl_loss
+from megatron_rl.trainer.step.rl_loss import build_rl_loss
 from tests.megatron_backend.actor.test_train_step_grad_vs_hf import (
     GRAD_RTOL,
     LOSS_RTOL,

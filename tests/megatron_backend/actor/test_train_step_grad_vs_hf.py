@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_rl.megatron_backend.actor.batch import TokenBatch, split_by_token_budget
-from megatron_rl.trainer.rl_loss import build_rl_loss
+from megatron_rl.trainer.step.rl_loss import build_rl_loss
 from tests.megatron_backend.conftest import megatron_world  # noqa: F401 (the one-process Megatron world fixture)
 from tests.trainer.rl_loss_by_hand import PRESET_OF, hand_step, rl_algo
 

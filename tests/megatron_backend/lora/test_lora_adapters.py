@@ -131,7 +131,7 @@ def test_one_update_trains_only_the_adapters_with_peft_autograd_gradients(tiny_m
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.megatron_backend.lora.peft_format import peft_state_dict, save_peft_adapter
-    from megatron_rl.trainer.rl_loss import build_rl_loss
+    from megatron_rl.trainer.step.rl_loss import build_rl_loss
     from tests.megatron_backend.actor.test_train_step_grad_vs_hf import _hf_scores
 
     actor = _actor(tiny_moe_dir, PEFT_LORA, optimizer_options=OptimizerOptions(lr=1e-3, clip_grad=0.0,

@@ -19,7 +19,7 @@ def main() -> None:
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.parallel_layout import ParallelLayout
     from megatron_rl.routing.agreement import route_agreement
-    from megatron_rl.trainer.rl_batch import samples_to_batch
+    from megatron_rl.trainer.step.rl_batch import samples_to_batch
 
     samples = pickle.load(open(samples_file, "rb"))
     init_distributed(ParallelLayout(), seed=0)

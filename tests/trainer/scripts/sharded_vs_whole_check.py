@@ -54,9 +54,9 @@ def main() -> None:
     from megatron_rl.models.architecture import model_dims
     from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.parallel_layout import ParallelLayout
-    from megatron_rl.trainer.rl_batch import samples_to_batch, select
-    from megatron_rl.trainer.rl_loss import build_rl_loss
-    from megatron_rl.trainer.step_plan import RankRows, plan_step, share_rows
+    from megatron_rl.trainer.step.rl_batch import samples_to_batch, select
+    from megatron_rl.trainer.step.rl_loss import build_rl_loss
+    from megatron_rl.trainer.step.step_plan import RankRows, plan_step, share_rows
 
     layout = ParallelLayout()
     dims = model_dims(read_hf_config(args.model))

@@ -50,7 +50,7 @@ def main() -> None:
 
     from megatron_rl.megatron_backend.distributed import data_parallel_rank_and_size, init_distributed, shutdown
     from megatron_rl.parallel_layout import ParallelLayout
-    from megatron_rl.trainer.step_plan import plan_step, share_rows
+    from megatron_rl.trainer.step.step_plan import plan_step, share_rows
 
     init_distributed(ParallelLayout(tp=args.tp, cp=args.cp), seed=0)
     dp_rank, dp = data_parallel_rank_and_size()

@@ -26,7 +26,7 @@ from megatron_rl.models.family import ModelDims
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.routing.replay import ReplayMode
 from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer.rl_batch import samples_to_batch, select
+from megatron_rl.trainer.step.rl_batch import samples_to_batch, select
 
 
 @dataclass(frozen=True)
@@ -132,12 +132,14 @@ def _for_training(sample: Sample) -> Sample:
 @dataclass(frozen=True)
 class RankBatch:
     """What this data-parallel rank trains on in one step: its `rows` of the step's plan, their `batch` (with
-    advantages), their recorded routes (`routes`, with routing replay) and the bytes it received for them."""
+    advantages), their recorded routes (`routes`, with routing replay), the bytes it received for them and their
+    outcome `rewards` (`[rows]`; a critic's GAE spreads them over tokens)."""
 
     rows: RankRows
     batch: TokenBatch
     routes: StepRoutes | None
     received_bytes: int
+    rewards: torch.Tensor
 
 
 def rank_batch(cfg: Any, step: int, rollout: Any, advantages: torch.Tensor, dims: ModelDims) -> RankBatch:
@@ -157,4 +159,5 @@ def rank_batch(cfg: Any, step: int, rollout: Any, advantages: torch.Tensor, dims
     routes = StepRoutes(mode, dims, rows.rows) if mode.on else None
     if routes is not None:
         routes.put_rollout(dict(zip(rows.rows, mine, strict=True)))
-    return RankBatch(rows, samples_to_batch(mine, advantages=advantages[rows.rows]), routes, received)
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float32)[rows.rows]
+    return RankBatch(rows, samples_to_batch(mine, advantages=advantages[rows.rows]), routes, received, rewards)

@@ -19,7 +19,7 @@ from megatron_rl.megatron_backend.actor.batch import LossFn
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.routing.replay import ReplayChecks
 from megatron_rl.routing.step_routes import StepRoutes
-from megatron_rl.trainer.step_plan import RankBatch
+from megatron_rl.trainer.step.step_plan import RankBatch
 
 
 def first_update_scores_itself(
@@ -28,9 +28,12 @@ def first_update_scores_itself(
     """Whether the first update's forward supplies its mini-batch's old log-probs (and entropy) this step, instead
     of the old-policy pass. Never on a checked step (`algo.first_update_check`), under R2 (the old-policy pass
     records the routes every update replays), with distillation (its advantages read the old log-probs before any
-    update) or when this step measures R3's rollout agreement (a scoring pass's metric)."""
+    update; so does `algo.kl_in_reward`'s reward) or when this step measures R3's rollout agreement (a scoring
+    pass's metric)."""
     if algo.first_update_check == "every_step" or step == first_step or algo.distill.teacher is not None:
         return False  # distillation's advantages need every mini-batch's old log-probs before the first update
+    if algo.kl_in_reward:
+        return False
     return routes is None or (routes.scoring_mode == "replay" and not replay.agreement)
 
 

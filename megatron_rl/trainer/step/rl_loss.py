@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.algorithms import aggregate, correction_stats, kl_penalty, policy_loss, rollout_correction_weights
 from megatron_rl.algorithms.distillation import sequence_mean, topk_kl
+from megatron_rl.algorithms.gae import ADVANTAGE as GAE
 from megatron_rl.algorithms.masking import masked_mean
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.kernels import GSPOImpl, GSPOVariant, packed_gspo_loss, select_gspo_kernel
@@ -30,7 +31,7 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
         mask = mb.fields["loss_mask"].to(device)
         old = mb.fields["old_log_probs"].to(device)
         adv = mb.fields["advantages"].to(device)
-        if algo.loss == "gspo" and algo.distill.teacher is not None:  # per-token advantages, a sequence-level loss
+        if algo.loss == "gspo" and (algo.distill.teacher is not None or algo.advantage == GAE):  # per token: mean
             adv = sequence_mean(adv, mask)
         weights = None
         if algo.rollout_correction != "none":
@@ -68,7 +69,7 @@ def build_rl_loss(algo: AlgoConfig) -> LossFn:
             metrics.update(correction_stats(weights, old, rollout, mask, level=algo.rollout_correction_level))
         out = {f"actor/{k}": float(v) for k, v in metrics.items()}
         out["actor/pg_loss"] = float(loss.detach())
-        if algo.kl_coef > 0:
+        if algo.kl_coef > 0 and not algo.kl_in_reward:  # else the critic's rewards hold the KL (critic_phase)
             kl = kl_penalty(log_probs, mb.fields["ref_log_probs"].to(device), algo.kl_estimator, response_mask=mask)
             kl_loss = aggregate(kl, mask, algo.agg, norm=algo.agg_norm)
             loss = loss + algo.kl_coef * kl_loss

@@ -18,7 +18,7 @@ from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.rollout.agent.multi_turn import multi_turn_metrics
 
 if TYPE_CHECKING:
-    from megatron_rl.trainer.step_plan import RankBatch
+    from megatron_rl.trainer.step.step_plan import RankBatch
 
 
 def rollout_metrics(rollout: Any) -> dict[str, float]:

@@ -12,7 +12,7 @@ from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.actor.teacher import FrozenScorer
 from megatron_rl.megatron_backend.distributed import sum_over_data_parallel
 from megatron_rl.routing.replay import ReplayChecks
-from megatron_rl.trainer.step_plan import RankBatch
+from megatron_rl.trainer.step.step_plan import RankBatch
 
 
 def score_old_and_reference(
