@@ -18,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.dist_harness import run_torchrun
 from tests.shared_runs import EXAMPLE, WarmedModel
 
 IGNORED = ("time/", "perf/")
@@ -63,3 +66,29 @@ def test_a_learned_critic_raises_accuracy_and_a_frozen_one_does_not(warmed_demo:
         accuracy[arm] = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     (start, learned), (_, frozen) = accuracy["learned"], accuracy["frozen"]
     assert learned > start + 0.03 and learned > frozen + 0.2, accuracy
+
+
+@pytest.mark.torchrun
+def test_ppo_at_dp2_with_offload_matches_one_process(warmed_demo: WarmedModel, tmp_path: Path) -> None:
+    """PPO under torchrun at DP=2, actor and critic offloaded during rollouts: each rank scores and trains only its
+    rows, the advantages are whitened over both ranks' tokens, and every loss equals the one-process run's."""
+    run = ("trainer.steps=2", "data.eval=null", "data.eval_every=0", "trainer.save_every=0",
+           "algo.critic.warmup_steps=1", "algo.critic.lr=3e-4", "algo.critic.lam_actor=0.9")  # fmt: skip
+    one, _ = _train(tmp_path / "one", warmed_demo.warmed, *run)
+    run_torchrun(
+        Path(__file__).parents[2] / "megatron_rl" / "cli.py",
+        2,
+        ["train", str(EXAMPLE), f"trainer.output_dir={tmp_path / 'dp2'}", f"model.hf_path={warmed_demo.warmed}",
+         "warmup.sft_steps=0", "logging.plot=false", "algo.preset=ppo", "trainer.offload_actor=true",
+         *run],
+        timeout=600,
+    )  # fmt: skip
+    dp2 = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert len(one) == len(dp2) == 2
+    for a, b in zip(one, dp2, strict=True):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and b["actor/ppo_kl_first"] == 0.0
+        assert b["memory/critic_offloaded_gib"] > 0 and "time/critic_reload" in b
+        for key in ("critic/values_mean", "critic/returns_mean", "critic/advantages_std", "critic/vf_loss",
+                    "critic/explained_variance", "actor/pg_loss"):  # fmt: skip
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=1e-3)
