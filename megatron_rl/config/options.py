@@ -1,12 +1,24 @@
-"""The option types of the Megatron backend: how the model is built, adapted (LoRA) and optimised.
+"""The option types of the Megatron backend: how the model is built, adapted (LoRA) and optimised; and which LoRA
+adapters SGLang serves itself (`rollout.lora_sync=adapter`), checked at load time.
 
 Plain dataclasses (no Megatron import), so the config schema can hold them without building anything.
+
+SGLang 0.5.23 (`--enable-lora`, `/load_lora_adapter_from_tensors`) adapts the projections it knows by their HF
+names; this package sends it attention's adapters only (q/k/v, which SGLang stacks into its `qkv_proj`, and o_proj):
+* routed experts: SGLang's MoE LoRA (`FusedMoEWithLoRA`) reads an expert's adapter as `experts.{e}.gate_proj...`
+  or as 3-D stacks, not in peft's `target_parameters` layout that `lora/peft_format.py` writes;
+* a dense layer's MLP or the shared experts: SGLang's `gate_up_proj`/`down_proj` targets on an MoE model also
+  cover the routed experts, whose adapters these are not;
+* Multi-Latent Attention has no q/k/v projections.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from megatron_rl.models.family import get_family
+from megatron_rl.models.hf_config import read_hf_config_if_present
 
 
 @dataclass(frozen=True)
@@ -147,3 +159,67 @@ class LoRAOptions:
             "shared_experts, experts (every routed expert's fc1 and fc2); routers never"
         },
     )
+
+
+SERVED_TARGETS = ("attention",)
+# The Megatron weights the attention target adapts (`lora/adapters.py`), and the HF projections SGLang serves there.
+_ATTENTION = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight")
+_SGLANG_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_FIX = "use model.lora.targets=[attention] or rollout.lora_sync=merged"
+
+
+def sglang_lora_modules(hf: dict[str, Any], targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The HF projections SGLang adapts for `targets` on the model of `hf` (its `--lora-target-modules`); a
+    `ValueError` naming the fix when it cannot serve them."""
+    _check_targets(targets)
+    weights = get_family(hf).weight_map(hf)
+    modules: list[str] = []
+    for weight in _ATTENTION:
+        rule = weights.rule(f"decoder.layers.0.{weight}")
+        names = [] if rule is None else [h.removesuffix(".weight").rsplit(".", 1)[-1] for h in rule.hf]
+        if not names or set(names) - set(_SGLANG_ATTENTION):
+            raise ValueError(
+                f"rollout.lora_sync=adapter: this {hf.get('model_type')} model's attention ({names or weight}) is not "
+                "the q/k/v/o_proj SGLang serves adapters on; use rollout.lora_sync=merged"
+            )
+        modules += names
+    return tuple(dict.fromkeys(modules))
+
+
+def _check_targets(targets: tuple[str, ...]) -> None:
+    unserved = [t for t in targets if t not in SERVED_TARGETS]
+    if unserved:
+        raise ValueError(
+            f"rollout.lora_sync=adapter: SGLang cannot serve adapters on {unserved} (config/options.py says why); "
+            f"{_FIX}"
+        )
+
+
+def check_lora_sync(cfg: Any, errors: list[str], notes: list[str]) -> None:
+    rollout, lora = cfg.rollout, cfg.model.lora
+    if rollout.lora_sync != "adapter":
+        return
+    problems = {
+        "needs adapters: set model.lora.rank > 0": lora.rank <= 0,
+        "needs rollout.engine=sglang (the local engine computes with merged weights: rollout.lora_sync=merged)":
+            rollout.engine != "sglang",
+        "needs trainer.mode=sync: SGLang unloads an adapter only after the requests using it finish, which an async "
+        "update cannot wait for": cfg.trainer.mode == "async",
+        "with rollout.release_memory: the released base is discarded and an adapter sync sends none; use "
+        "rollout.lora_sync=merged": rollout.release_memory,
+    }  # fmt: skip
+    errors += [f"rollout.lora_sync=adapter {problem}" for problem, bad in problems.items() if bad]
+    if lora.rank <= 0:
+        return
+    hf = read_hf_config_if_present(cfg.model.hf_path)
+    try:  # without config.json yet (a model built later) its attention is checked when the engine starts
+        _check_targets(lora.targets)
+        modules = sglang_lora_modules(hf, lora.targets) if hf is not None else ()
+    except ValueError as err:
+        errors.append(str(err))
+        return
+    if rollout.sglang.urls and modules:
+        notes.append(
+            f"rollout.lora_sync=adapter with rollout.sglang.urls: the servers must run with --enable-lora "
+            f"--max-lora-rank {lora.rank} --lora-target-modules {' '.join(modules)}"
+        )

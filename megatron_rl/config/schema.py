@@ -186,6 +186,13 @@ class RolloutConfig:
         "takes them back for the weight sync and generation (SGLang: launched with --enable-memory-saver; "
         "/release_memory_occupation, CUDA only)",
     )
+    lora_sync: Literal["merged", "adapter"] = setting(
+        "merged",
+        help="with model.lora: merged = the engine gets W + (alpha/rank) B A, after a start's first sync only the "
+        "tensors the adapters touch (every tensor with release_memory or weight_sync=disk); adapter = SGLang serves "
+        "the adapters itself (launched with --enable-lora): the base once, then only the adapters (attention "
+        "targets, trainer.mode=sync, GPU)",
+    )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.gae import ADVANTAGE as GAE
 from megatron_rl.config.algo import check_critic
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.options import check_lora_sync
 from megatron_rl.config.schema import EvalSet, RewardSpec, RLConfig
 from megatron_rl.config.side_models import check_side_models
 from megatron_rl.config.stop_on import stop_rules
@@ -32,7 +33,7 @@ def validate(cfg: RLConfig) -> list[str]:
     errors: list[str] = []
     notes: list[str] = []
     checks = (_check_algo, _check_routing_replay, _check_rollout, _check_data, _check_trainer, _check_stop_on)
-    for check in (*checks, _check_optimizer, _check_lora, check_critic):
+    for check in (*checks, _check_optimizer, _check_lora, check_critic, check_lora_sync):
         check(cfg, errors, notes)
     if len(errors) == 1:
         raise ConfigError(errors[0])

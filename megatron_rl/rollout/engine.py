@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -74,3 +74,13 @@ class RolloutEngine(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that serves LoRA adapters on its base weights itself (`SGLangEngine`, `rollout.lora_sync=adapter`)."""
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> None:
+        """Generate with this adapter (peft's tensor names, its `adapter_config.json`) from now on, replacing the
+        last one; later samples carry `version`."""
+        ...

@@ -118,7 +118,7 @@ def evaluate_checkpoint(
         )
         memory.for_training()
         memory.for_weight_sync()
-        WeightSync(actor, engine, cfg.rollout.bucket_mb).send(step)  # as `train` sends the weights it evaluates
+        WeightSync(actor, engine, cfg.rollout).send(step)  # as `train` sends the weights it evaluates
         memory.for_rollout()
         metrics: dict[str, float] = {}
         files: list[Path] = []

@@ -246,7 +246,7 @@ def _build_parts(
         )
         if plan.resume_from is not None and state.metrics_row is not None:
             log.restore_row(state.step, state.metrics_row)
-    weights = WeightSync(actor, engine, cfg.rollout.bucket_mb, build_verifier(cfg.rollout, data))
+    weights = WeightSync(actor, engine, cfg.rollout, build_verifier(cfg.rollout, data))
     parts = StepParts(
         cfg, actor, weights, None, data, tokenizer, build_rl_loss(cfg.algo), memory, source,
         samples_log=log.samples if log is not None else None,

@@ -10,20 +10,23 @@ samples it trains on (`step_plan.share_rows`). `WeightSync` is the one place a w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch.distributed as dist
 
+from megatron_rl.config.options import sglang_lora_modules
 from megatron_rl.config.side_models import launched, with_side_urls
 from megatron_rl.megatron_backend import platform
 from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
 from megatron_rl.megatron_backend.distributed import broadcast_object
+from megatron_rl.megatron_backend.lora.sync_payload import adapted_weights, adapter_payload, base_weights
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.rollout.data import PromptData
-from megatron_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from megatron_rl.rollout.engine import AdapterEngine, NamedTensorBucket, RolloutEngine, RolloutEngineError
 from megatron_rl.rollout.engines.engine_factory import EngineRun, build_engine
 from megatron_rl.rollout.sample import Sample
 from megatron_rl.rollout.weight_version import weight_version
@@ -110,6 +113,9 @@ class NoEngine:
         for _ in buckets:
             pass
 
+    def load_adapter(self, tensors: dict, config: dict, version: str) -> None:
+        pass
+
     def score_prompts(self, prompts: list[list[int]], top_k: int = 0):
         raise RuntimeError("only rank 0 holds the rollout engine")
 
@@ -138,45 +144,113 @@ class NoEngine:
         pass
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightSync:
     """The actor's weights to the rollout engine (`NoEngine` on ranks other than 0), collective: every rank exports.
     `send(step)` stamps them with `weight_version(step)` (the policy after RL step `step`), the one place a weight
     version is named. With a `verifier`, the syncs `rollout.verify_sync` asks for are checked against the engine's
-    probe scores."""
+    probe scores.
+
+    Under LoRA the frozen base stays in the engine between syncs, so after the first sync of a start only what the
+    adapters change goes (`lora.sync_payload`): the merged weights of the adapted layers, or with
+    `rollout.lora_sync=adapter` the adapters alone (the base went once, adapters off). Everything goes at the first
+    sync, after a failed one, when asked (`full`: a restarted server), and at every sync with
+    `rollout.release_memory` (the engine discards its weights while the trainer trains) or, merged,
+    `rollout.weight_sync=disk` (the servers read a whole checkpoint directory)."""
 
     actor: MegatronActor
     engine: RolloutEngine
-    bucket_mb: int
+    rollout: Any  # the run's `rollout` section (`bucket_mb`, `release_memory`, `weight_sync`, `lora_sync`)
     verifier: SyncVerifier | None = None
+    _full_next: bool = field(default=True, init=False)  # rank 0's say: the engine may not hold the base
+    _metrics: dict[str, float] = field(default_factory=dict, init=False)
 
-    def send(self, step: int) -> None:
-        """The policy after step `step` to the engine; a `RolloutEngineError` on rank 0 when the engine failed."""
+    def __post_init__(self) -> None:
+        if self.adapter_only and not isinstance(self.engine, AdapterEngine):
+            raise ValueError(
+                f"rollout.lora_sync=adapter: the {type(self.engine).__name__} serves no LoRA adapters; use "
+                "rollout.lora_sync=merged or rollout.engine=sglang"
+            )
+
+    @property
+    def adapter_only(self) -> bool:
+        return self.actor.lora is not None and self.rollout.lora_sync == "adapter"
+
+    def send(self, step: int, *, full: bool = False) -> None:
+        """The policy after step `step` to the engine (`full`: every tensor); a `RolloutEngineError` on rank 0 when
+        the engine failed."""
         version = weight_version(step)
-        buckets = self.actor.export_hf(bucket_bytes=self.bucket_mb << 20)
-        failed: RolloutEngineError | None = None
-        try:
-            self.engine.update_weights(buckets, version)
-        except RolloutEngineError as err:
-            for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
-                pass
-            failed = err
+        full = self._needs_full(full)
+        bucket_bytes = self.rollout.bucket_mb << 20
+        if self.adapter_only:
+            failed = self._update(base_weights(self.actor, bucket_bytes), version) if full else None
+            failed = self._load_adapter(version, failed)
+        else:
+            only = None if full else self._adapted()
+            failed = self._update(self.actor.export_hf(bucket_bytes=bucket_bytes, only=only), version)
+        self._full_next = failed is not None
+        self._metrics["sync/full_syncs"] = self._metrics.get("sync/full_syncs", 0.0) + full
         if self.verifier is not None:
-            self.verifier.after_sync(self.actor, self.engine, version, synced=failed is None)
+            self.verifier.after_sync(self.actor, self.engine, version, synced=failed is None, partial=not full)
         if failed is not None:
             raise failed
 
-    def send_or_defer(self, step: int, what: str) -> None:
+    def send_or_defer(self, step: int, what: str, *, full: bool = False) -> None:
         """`send`, or, when the engine fails (rank 0 only), say so and leave the repair to the next rollout (it
         restarts the server and re-sends the weights)."""
         try:
-            self.send(step)
+            self.send(step, full=full)
         except RolloutEngineError as err:
             print(f"{what} failed ({err}); recovering at the next rollout", flush=True)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The verified syncs' metrics since the last call (`SyncVerifier.pop_metrics`)."""
-        return self.verifier.pop_metrics() if self.verifier is not None else {}
+        """Since the last call: `sync/bytes` and `sync/tensors` sent (HF tensors in their dtype; the adapters in
+        fp32), `sync/full_syncs` (syncs that sent every tensor) and the verified syncs' (`SyncVerifier.pop_metrics`)."""
+        metrics, self._metrics = self._metrics, {}
+        return {**metrics, **(self.verifier.pop_metrics() if self.verifier is not None else {})}
+
+    def _needs_full(self, asked: bool) -> bool:
+        """Collective: whether this sync sends every tensor (rank 0 knows whether its engine took the last one)."""
+        keeps = self.actor.lora is not None and not self.rollout.release_memory
+        if not keeps or (self.rollout.weight_sync == "disk" and not self.adapter_only):
+            return True
+        return broadcast_object(self._full_next) or asked
+
+    def _adapted(self) -> frozenset[str] | None:
+        """What a partial merged sync exports: the weights the adapters add to (None: all, without LoRA)."""
+        actor = self.actor
+        return None if actor.lora is None else adapted_weights(actor.family.weight_map(actor.hf_config), actor.lora)
+
+    def _update(self, buckets: Iterator[NamedTensorBucket], version: str) -> RolloutEngineError | None:
+        try:
+            self.engine.update_weights(self._counted(buckets), version)
+        except RolloutEngineError as err:
+            for _ in buckets:  # the other ranks are still exporting: finish the collective before raising
+                pass
+            return err
+        return None
+
+    def _load_adapter(self, version: str, failed: RolloutEngineError | None) -> RolloutEngineError | None:
+        payload = adapter_payload(self.actor, "")  # collective; rank 0 holds it
+        if payload is None or failed is not None:
+            return failed
+        tensors, config = payload
+        try:
+            cast(AdapterEngine, self.engine).load_adapter(tensors, config, version)
+        except RolloutEngineError as err:
+            return err
+        self._count(list(tensors.items()))
+        return None
+
+    def _counted(self, buckets: Iterator[NamedTensorBucket]) -> Iterator[NamedTensorBucket]:
+        for bucket in buckets:
+            yield bucket
+            self._count(bucket)  # taken by the engine
+
+    def _count(self, tensors: NamedTensorBucket) -> None:
+        sent = sum(t.numel() * t.element_size() for _, t in tensors)
+        self._metrics["sync/bytes"] = self._metrics.get("sync/bytes", 0.0) + sent
+        self._metrics["sync/tensors"] = self._metrics.get("sync/tensors", 0.0) + len(tensors)
 
 
 def prompt_data(cfg: Any, tokenizer: Any, teacher: RolloutEngine | None = None) -> PromptData:
@@ -248,7 +322,11 @@ def serve_side_models(cfg: Any, closing: ExitStack) -> Any:
 
 def engine_run(cfg: Any) -> EngineRun:
     """What the rollout engine needs to know of the run `cfg` (an `RLConfig`) besides its `rollout` section."""
-    return EngineRun(cfg.trainer.output_dir, cfg.trainer.mode == "async", cfg.algo.routing_replay == "R3")
+    lora = cfg.model.lora
+    served = cfg.rollout.lora_sync == "adapter" and lora.rank > 0  # SGLang serves the adapters
+    modules = sglang_lora_modules(read_hf_config(cfg.model.hf_path), lora.targets) if served else ()
+    return EngineRun(cfg.trainer.output_dir, cfg.trainer.mode == "async", cfg.algo.routing_replay == "R3",
+                     lora.rank if served else 0, modules)  # fmt: skip
 
 
 def collect_rollout(
@@ -293,5 +371,5 @@ def collect_rollout(
         restarts += 1
         memory.for_training(keep_engine_weights=True)  # the actor exports: it must be resident
         with source.updating(step - 1, on_schedule=False):
-            weights.send_or_defer(step - 1, f"step {step}: re-sending the weights")
+            weights.send_or_defer(step - 1, f"step {step}: re-sending the weights", full=True)
         memory.for_rollout()

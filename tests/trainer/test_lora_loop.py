@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.shared_runs import EXAMPLE, WarmedModel
 
-IGNORED = ("time/", "perf/")
+IGNORED = ("time/", "perf/", "sync/bytes", "sync/tensors", "sync/full_syncs")  # a start's first sync sends all
 
 
 def _train(out: Path, model: Path, *overrides: str) -> list[dict]:
@@ -35,6 +35,11 @@ def test_lora_trains_on_policy_against_the_base_and_resumes_bitwise(warmed_demo:
         same = [k for k in a if not k.startswith(IGNORED) and k != "actor/ppo_kl_first_checked"]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
     assert straight[0]["actor/kl_ref"] >= 0 and straight[-1]["actor/kl_ref"] > 0  # the adapters moved off the base
+    # After the first sync only the adapted tensors go (their merged weights), and the engine still scores as the
+    # trainer (`mismatch/logp_abs_diff` above); the resumed start sends everything once.
+    assert [r["sync/full_syncs"] for r in straight] == [1, 0, 0, 0] and [r["sync/full_syncs"] for r in resumed][2] == 1
+    full_and_partial, partial = straight[0]["sync/bytes"], straight[1]["sync/bytes"]  # step 1 also holds the start's
+    assert resumed[2]["sync/bytes"] == full_and_partial and full_and_partial - partial > partial
     from tests.megatron_backend.lora.test_lora_checkpoint import _model_keys
 
     keys = _model_keys(tmp_path / "straight" / "checkpoints" / "step_000000004" / "megatron")

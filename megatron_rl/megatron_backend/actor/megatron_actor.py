@@ -155,11 +155,11 @@ class MegatronActor:
         if self.optimizer is not None:
             self.reload_main_params()
 
-    def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
-        """HF-named full tensors in buckets (collective: every rank must consume the iterator)."""
+    def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, only: Any = None):
+        """HF-named full tensors in buckets (collective: every rank must consume the iterator); `only`: names or all."""
         self._check_resident("export_hf")
         return hf_weights.export_hf_weights(
-            self.modules, self.family, self.hf_config, bucket_bytes=bucket_bytes, dtype=dtype
+            self.modules, self.family, self.hf_config, bucket_bytes=bucket_bytes, dtype=dtype, only=only
         )
 
     @property

@@ -101,7 +101,7 @@ class MegatronCritic(MegatronActor):
         if self.optimizer is not None:
             self.reload_main_params()
 
-    def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
+    def export_hf(self, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, only: Any = None):
         raise NotImplementedError("the critic is not a policy: it has no HF language-model export")
 
     def _packed_stats(self, mb: TokenBatch, logits: torch.Tensor, with_entropy: bool, temperature: float):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,18 +265,20 @@ def export_hf_weights(
     *,
     bucket_bytes: int = 512 << 20,
     dtype: torch.dtype | None = None,
+    only: Collection[str] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield the model's weights as HF-named full tensors, in buckets of at most `bucket_bytes` (or one tensor).
 
     Collective: every rank of the job must iterate the generator to the end. Every rank receives every
-    tensor (P3's weight sync and P7's converter then decide which rank writes or sends it).
+    tensor (P3's weight sync and P7's converter then decide which rank writes or sends it). `only`: the global
+    Megatron names to export (the same set on every rank, e.g. `lora.sync_payload.adapted_weights`); None = all.
     """
     dims = family.dims(hf)
     weights = family.weight_map(hf)
     mine = {item.global_name: item for item in local_params(chunks, weights)}
     if dims.tie_word_embeddings:
         mine.pop("output_layer.weight", None)
-    ordered = list(weights.rules())
+    ordered = [rule for rule in weights.rules() if only is None or rule.megatron in only]
     owners = _owners([rule.megatron for rule in ordered], mine)
     rank = dist.get_rank() if dist.is_initialized() else 0
     distributed = dist.is_initialized() and dist.get_world_size() > 1

@@ -17,12 +17,15 @@ from megatron_rl.rollout.weight_version import weight_version
 @dataclass(frozen=True)
 class EngineRun:
     """What an engine needs to know of the run besides its `rollout` section: where the run writes (SGLang's logs
-    and key file), whether generation runs ahead of training (`trainer.mode: async`) and whether samples carry
-    their routes (`algo.routing_replay: R3`)."""
+    and key file), whether generation runs ahead of training (`trainer.mode: async`), whether samples carry
+    their routes (`algo.routing_replay: R3`) and, when SGLang serves the LoRA adapters (`rollout.lora_sync:
+    adapter`), their rank and the HF projections they adapt (`config.options.sglang_lora_modules`)."""
 
     output_dir: str
     asynchronous: bool = False
     return_routes: bool = False
+    lora_rank: int = 0
+    lora_modules: tuple[str, ...] = ()
 
 
 def build_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device: torch.device) -> RolloutEngine:
@@ -53,7 +56,7 @@ def build_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device
                 python=sg.python,
                 num_servers=sg.num_servers,
                 ports=tuple(sg.base_port + i for i in range(sg.num_servers)),
-                extra_args=(*sglang_server_flags(rollout, return_routes=run.return_routes), *sg.extra_args),
+                extra_args=(*sglang_server_flags(rollout, run), *sg.extra_args),
                 log_dir=str(Path(run.output_dir) / "sglang_logs"),
                 startup_timeout_s=sg.startup_timeout_s,
                 router=sg.router,
@@ -67,7 +70,7 @@ def build_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device
         master_address=sg.trainer_address,
         group_timeout_s=sg.group_timeout_s,
     )
-    return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s)
+    return SGLangEngine(servers, weight_sync=weight_sync, request_timeout_s=sg.request_timeout_s, tp_size=sg.tp_size)
 
 
 def build_local_engine(rollout: RolloutConfig, run: EngineRun, model_dir: Path, device: torch.device) -> RolloutEngine:
@@ -128,13 +131,16 @@ def refuse_models_sglang_builds_differently(model_dir: Path) -> None:
         )
 
 
-def sglang_server_flags(rollout: RolloutConfig, *, return_routes: bool) -> list[str]:
-    """`sglang.launch_server` flags implied by the config (parallelism, memory, R3 routes, memory release)."""
+def sglang_server_flags(rollout: RolloutConfig, run: EngineRun) -> list[str]:
+    """`sglang.launch_server` flags implied by the config (parallelism, memory, R3 routes, memory release, LoRA
+    serving)."""
     sg = rollout.sglang
     flags = ["--tp-size", str(sg.tp_size), "--ep-size", str(sg.ep_size)]
     flags += ["--mem-fraction-static", str(sg.mem_fraction_static)]
-    if return_routes:
+    if run.return_routes:
         flags.append("--enable-return-routed-experts")
     if rollout.release_memory:
         flags.append("--enable-memory-saver")
+    if run.lora_rank:
+        flags += ["--enable-lora", "--max-lora-rank", str(run.lora_rank), "--lora-target-modules", *run.lora_modules]
     return flags

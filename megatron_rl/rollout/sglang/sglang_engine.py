@@ -14,6 +14,8 @@
 - release_memory/resume_memory (colocated runs; servers launched with `--enable-memory-saver`, CUDA only):
   `/release_memory_occupation` / `/resume_memory_occupation` on every server, state kept by `EngineMemory`.
 - update_weights: delegated to a `weight_sync` strategy (tensor / distributed / disk).
+- load_adapter (`rollout.lora_sync=adapter`, servers launched with `--enable-lora`): the policy's LoRA adapter
+  (`weight_sync.AdapterSync`); from then on every /generate names it (`lora_path`).
 - errors: a dead server or a request that hangs raises `SGLangServerError` within `request_timeout_s`.
 - auth: every request (generate, control, weight sync) carries the servers' API key (`servers.api_key`).
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from megatron_rl.config.sampling import SamplingParams
 from megatron_rl.models.architecture import ModelDims, model_dims
@@ -39,7 +42,7 @@ from megatron_rl.rollout.engines.engine_memory import EngineMemory
 from megatron_rl.rollout.sample import FinishReason, Sample
 from megatron_rl.rollout.sglang.sglang_server import SGLangServerError, SGLangServers, is_healthy, request_json
 from megatron_rl.rollout.sglang.sync_paths import make_weight_sync
-from megatron_rl.rollout.sglang.weight_sync import SyncReport, WeightSync
+from megatron_rl.rollout.sglang.weight_sync import ADAPTER_NAME, AdapterSync, SyncReport, WeightSync
 from megatron_rl.routing.cache import routes_dtype
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class SGLangEngine:
         num_experts: int | None = None,
         stop_on_eos: bool = True,
         extra_sampling_params: dict[str, Any] | None = None,
+        tp_size: int = 1,
     ):
         """`servers`: launched/connected `SGLangServers` or plain URLs (then `api_key` is their key).
 
@@ -85,6 +89,7 @@ class SGLangEngine:
         count, the MoE layers and top-k. `num_experts` picks the storage dtype (read likewise).
         `stop_on_eos`: also stop at the model's EOS (SGLang's `ignore_eos=false`), as `LocalEngine`.
         `extra_sampling_params`: further SGLang sampling keys sent with every request (e.g. `min_new_tokens`).
+        `tp_size`: each server's tensor-parallel size (the copies of a LoRA adapter's payload it takes).
         """
         self.servers = (
             servers if isinstance(servers, SGLangServers) else SGLangServers.connect(list(servers), api_key=api_key)
@@ -102,6 +107,8 @@ class SGLangEngine:
         self._version = self._read_version()
         self.last_sync: SyncReport | None = None
         self._stale: str | None = None  # why the served weights are unknown (a failed update)
+        self.adapters = AdapterSync(tp_size=tp_size)
+        self._adapter: str | None = None  # the LoRA adapter requests name (`load_adapter`)
         self.memory = EngineMemory()
         self.generated_tokens = 0  # running count, for throughput metrics
 
@@ -162,6 +169,20 @@ class SGLangEngine:
         self._version = version
         logger.info("weights %s: %s", version, self.last_sync)
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str) -> None:
+        """Serve this LoRA adapter (peft's names, its adapter_config.json) on the servers' base from now on, in place
+        of the last one; later samples carry `version`."""
+        self.memory.check_can_update()
+        try:
+            self.last_sync = self.adapters.update(
+                self.urls, tensors, config, version, timeout_s=self.request_timeout_s, api_key=self._key
+            )
+        except SGLangServerError as err:
+            self._stale = f"loading the adapter of {version!r} failed ({err})"
+            raise
+        self._stale, self._adapter, self._version = None, ADAPTER_NAME, version
+        logger.info("adapter %s: %s", version, self.last_sync)
+
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the servers' GPU memory of `tags` ("weights", "kv_cache", "cuda_graph"; None = all). Released
         weights are discarded (unless the servers keep a CPU backup): after `resume_memory` they need
@@ -212,7 +233,10 @@ class SGLangEngine:
             logger.warning("restarting SGLang server %d (%s); log tail:\n%s", i, self.urls[i], self.servers.log_tail(i))
             self.servers.restart(i)
         if failed or self._stale is not None:
-            self.weight_sync.reset([u for i, u in enumerate(self.urls) if i not in failed], api_key=self._key)
+            live = [u for i, u in enumerate(self.urls) if i not in failed]
+            self.weight_sync.reset(live, api_key=self._key)
+            self.adapters.reset(live)
+            self._adapter = None  # until the caller sends it again
             self._version = self._read_version()
             self._stale = None  # the caller re-sends the weights next
         if failed:
@@ -243,6 +267,8 @@ class SGLangEngine:
         }
         if top_k:
             body["top_logprobs_num"] = top_k
+        if self._adapter:
+            body["lora_path"] = self._adapter
         out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
         items = out if isinstance(out, list) else [out]
         metas = [item["meta_info"] for item in items]
@@ -273,6 +299,8 @@ class SGLangEngine:
         }
         if want_routes:
             body["return_routed_experts"] = True
+        if self._adapter:
+            body["lora_path"] = self._adapter
         out = request_json(url, "/generate", body, timeout_s=self.request_timeout_s, api_key=self._key)
         items = out if isinstance(out, list) else [out]
         if len(items) != n:

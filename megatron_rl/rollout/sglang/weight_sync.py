@@ -12,6 +12,8 @@ Input everywhere: an iterable of buckets `list[(hf_name, full_tensor)]`, e.g.
   begin/end_weight_update.
 - `disk`: HF safetensors shards (+ index and the non-weight files of the served checkpoint) written to a directory
   the servers can read, then `/update_weights_from_disk`.
+- `AdapterSync` (`rollout.lora_sync=adapter`): not weights but the policy's LoRA adapter, served by SGLang on its
+  base (`/load_lora_adapter_from_tensors`).
 
 Every path ends with the new `weight_version` on the servers and a flushed prefix cache; `update()` returns a
 `SyncReport` (bytes, seconds); `sync_probe` checks that the engine computes with the weights sent.
@@ -31,9 +33,11 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from megatron_rl.formats.safetensors_files import copy_files, is_weights_file, write_safetensors_dir
 from megatron_rl.rollout.engine import NamedTensorBucket
@@ -233,3 +237,48 @@ class DiskWeightSync:
         if not self.keep and not self.directory:
             shutil.rmtree(out, ignore_errors=True)
         return SyncReport("disk", written.tensors, written.shards, written.bytes, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA adapter
+ADAPTER_NAME = "policy"  # the one adapter a run serves; each /generate names it (`lora_path`)
+_UNLOAD, _LOAD = "/unload_lora_adapter", "/load_lora_adapter_from_tensors"
+
+
+@dataclass
+class AdapterSync:
+    """The policy's LoRA adapter to every server (`rollout.lora_sync=adapter`), by value: SGLang 0.5.23's
+    `LoadLoRAAdapterFromTensorsReqInput` (`lora_name`, `config_dict` = the adapter_config.json, one base64 pickle of
+    `{name: tensor}` per server TP rank in `serialized_named_tensors`). A name loads once, so the last adapter is
+    unloaded first (an unload a server that does not hold it refuses is ignored unless it was known to hold it)."""
+
+    tp_size: int = 1
+    loaded: set[str] = field(default_factory=set)  # servers known to hold ADAPTER_NAME
+
+    def reset(self, live_urls: list[str]) -> None:
+        """After a restart: the restarted servers hold no adapter."""
+        self.loaded &= set(live_urls)
+
+    def update(
+        self, urls: list[str], tensors: dict[str, torch.Tensor], config: dict[str, Any], version: str, *,
+        timeout_s: float, api_key: str | None = None,
+    ) -> SyncReport:  # fmt: skip
+        start = time.perf_counter()
+        named = [(name, t.detach().to("cpu").contiguous()) for name, t in tensors.items()]
+        payload = base64.b64encode(pickle.dumps(dict(named), protocol=pickle.HIGHEST_PROTOCOL)).decode()
+        body = {"lora_name": ADAPTER_NAME, "config_dict": config, "serialized_named_tensors": [payload] * self.tp_size,
+                "pinned": False}  # fmt: skip
+
+        def load(url: str) -> None:
+            try:
+                answer = request_json(url, _UNLOAD, {"lora_name": ADAPTER_NAME}, timeout_s=timeout_s, api_key=api_key)
+                check_success(url, _UNLOAD, answer)
+            except SGLangServerError:
+                if url in self.loaded:
+                    raise
+            self.loaded.discard(url)
+            check_success(url, _LOAD, request_json(url, _LOAD, body, timeout_s=timeout_s, api_key=api_key))
+            self.loaded.add(url)
+
+        for_each_server(urls, load)
+        finish_update(urls, version, timeout_s, api_key)
+        return SyncReport("adapter", len(named), 1, bucket_nbytes(named), time.perf_counter() - start)

@@ -22,8 +22,8 @@ from megatron_rl.rollout.sync_probe import VerifyMode, WeightSyncMismatch, compa
 
 
 class SyncVerifier:
-    """Counts the run's syncs and verifies those `rollout.verify_sync` asks for (a sync whose update failed is
-    verified at the next one that succeeds)."""
+    """Counts the run's syncs and verifies those `rollout.verify_sync` asks for, and the first partial one (a sync
+    whose update failed is verified at the next one that succeeds)."""
 
     def __init__(self, mode: VerifyMode, every: int, prompts: list[list[int]], *, release_memory: bool = False):
         """`prompts`: the probe (`sync_probe.probe_prompts`); `release_memory`: the engine's caches are released
@@ -32,13 +32,18 @@ class SyncVerifier:
         self.release_memory = release_memory
         self.syncs = 0
         self._pending = False
+        self._partial_verified = False
         self._metrics: dict[str, float] = {}
 
-    def after_sync(self, actor: MegatronActor, engine: RolloutEngine, version: str, *, synced: bool) -> None:
+    def after_sync(
+        self, actor: MegatronActor, engine: RolloutEngine, version: str, *, synced: bool, partial: bool = False
+    ) -> None:
         """Collective, right after the sync to `version` (`synced`: rank 0's update succeeded; rank 0 holds the
-        engine)."""
+        engine). `partial`: it sent only what LoRA's adapters change (`rollout_phase.WeightSync`); the run's first
+        such sync is verified too, so a tensor that partial syncs leave stale is caught whatever the schedule."""
         index, self.syncs = self.syncs, self.syncs + 1
-        if not (self._pending or verify_due(self.mode, self.every, index)):
+        first_partial = partial and not self._partial_verified
+        if not (self._pending or verify_due(self.mode, self.every, index) or first_partial):
             return
         if not broadcast_object(synced):
             self._pending = True  # the next rollout repairs the engine and re-sends: verify that sync
@@ -56,6 +61,7 @@ class SyncVerifier:
                 verdict, failure = ("error", f"scoring the weight-sync probe failed on rank 0: {err!r}"), err
         kind, message = broadcast_object(verdict)
         self._pending = kind == "pending"
+        self._partial_verified |= partial and kind == "ok"
         if kind == "mismatch":
             raise WeightSyncMismatch(message)
         if kind == "error":
