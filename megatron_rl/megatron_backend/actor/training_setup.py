@@ -45,6 +45,7 @@ def wrap_for_training(
     check_one_grad_norm_group(wrapped)
     optimizer = get_megatron_optimizer(OptimizerConfig(**optimizer_config_fields(opt, bf16)), wrapped)
     use_fastest_torch_adam(optimizer)
+    count_expert_grads_by_expert_tp(optimizer, wrapped)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt.warmup_steps else opt.lr,
@@ -164,6 +165,21 @@ def check_one_grad_norm_group(chunks: list[nn.Module]) -> None:
             f"parameters in a separate gradient-norm group ({', '.join(tagged)}: Megatron's multi-token-prediction "
             "layers) are not supported: the update clips every gradient by one global norm"
         )
+
+
+def count_expert_grads_by_expert_tp(optimizer: Any, chunks: list[nn.Module]) -> None:
+    """Give the experts' optimizer the expert tensor-parallel group to tell a replica from an original.
+
+    Megatron-Core 0.16 hands every inner optimizer the dense TP group (`tp_group`), by which the gradient norm and
+    the zero count skip a parameter not split over TP on TP ranks other than 0. Expert parameters are replicated
+    over expert TP instead: with expert TP below TP, another dense-TP rank holds other experts (or the same ones
+    as an expert-data-parallel replica), and an expert parameter not split over expert TP (a LoRA adapter's
+    replicated factor, an expert bias) would drop out of the norm there. Megatron builds the experts' optimizer
+    last, when any trained parameter is an expert's (`allreduce=False`)."""
+    from megatron.core import parallel_state as ps
+
+    if any(not getattr(p, "allreduce", True) for c in chunks for p in c.parameters() if p.requires_grad):
+        list(inner_optimizers(optimizer))[-1].tp_group = ps.get_expert_tensor_parallel_group()
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""TP=2 (+SP), EP=2, PP=2, PP=2 x VPP=2 and DP=2 (distributed optimizer) reproduce the single process.
+"""TP=2 (+SP), EP=2, PP=2, PP=2 x VPP=2, DP=2 (distributed optimizer) and TP=2 x EP=2 with expert TP 1 reproduce
+the single process, training every weight or LoRA adapters.
 
 Each layout runs `scripts/actor_layout_check.py` under torchrun with gloo: it loads the same HF
 checkpoint, scores a batch (log-probs, entropy, routed experts), exports the weights back to HF,
@@ -30,6 +31,7 @@ LAYOUTS = {
     "pp2_vpp2": ["--pp", "2", "--vpp", "2"],
     "dp2_distopt": [],
     "tp2_recompute_full": ["--tp", "2", "--recompute", "full"],
+    "tp2_ep2_etp1": ["--tp", "2", "--ep", "2", "--etp", "1"],
 }
 
 pytestmark = pytest.mark.torchrun
@@ -86,15 +88,17 @@ def _assert_packing_matches_padding(name: str, packing: dict) -> None:
     assert packing["replay_agreement"] == 1.0
 
 
-# Full recompute with TP2: also run (with routing replay) by tests/routing; here in the slow tier.
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp2_recompute_full" else n for n in sorted(LAYOUTS)]
-)
+# Full recompute with TP2: also run (with routing replay) by tests/routing; here in the slow tier, as is expert TP
+# below TP (which the default tier runs with LoRA, whose expert adapters are not all split over expert TP).
+SLOW = {"tp2_recompute_full", "tp2_ep2_etp1"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(LAYOUTS)])
 def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe_dir: Path, tmp_path: Path) -> None:
     _assert_layout_matches(name, _run(tiny_moe_dir, tmp_path / f"{name}.json", 2, LAYOUTS[name]), single_process)
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "ep2", "pp2", "dp2_distopt"])
+@pytest.mark.parametrize("name", ["tp2_sp", "ep2", "pp2", "dp2_distopt", "tp2_ep2_etp1"])
 def test_lora_layout_matches_single_process(
     name: str, single_process_lora: dict, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
@@ -105,7 +109,11 @@ def test_lora_layout_matches_single_process(
     assert losses[-1] < losses[0] and ref["steps"][0]["ppo_kl"] == 0.0 and ref["policy_moved"]
     out = tmp_path / f"lora_{name}.json"
     _assert_layout_matches(name, _run(tiny_moe_dir, out, 2, [*LAYOUTS[name], *LORA]), ref)
-    # the trained adapters, gathered from this layout's shards into peft's format, are the single process's
+    _assert_same_adapters(name, out, ref)
+
+
+def _assert_same_adapters(name: str, out: Path, ref: dict) -> None:
+    """The trained adapters, gathered from this layout's shards into peft's format, are the single process's."""
     got, want = torch.load(f"{out}.adapters.pt"), torch.load(f"{ref['out']}.adapters.pt")
     assert got.keys() == want.keys() and len(got) == 2 * (4 * 4 + 3 * 2 + 3)  # A, B: q/k/v/o, experts, dense MLP
     for key, tensor in want.items():

@@ -20,6 +20,7 @@ def main() -> None:
     for name in ("tp", "pp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--distributed-optimizer", type=int, default=1)
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--dtype", default="fp32")
@@ -36,7 +37,7 @@ def main() -> None:
     from megatron_rl.megatron_backend.distributed import init_distributed, shutdown
     from megatron_rl.parallel_layout import ParallelLayout
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     init_distributed(layout, seed=7)
     actor = MegatronActor.from_hf(
         args.model,
