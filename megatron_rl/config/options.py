@@ -159,6 +159,14 @@ class LoRAOptions:
             "shared_experts, experts (every routed expert's fc1 and fc2); routers never"
         },
     )
+    share_expert_a: bool = field(
+        default=False,
+        metadata={
+            "help": "one A per MoE layer shared by its routed experts (one for fc1, one for fc2), each expert its own "
+            "B: (experts - 1) x rank x (hidden + moe_ffn) fewer parameters per layer; a peft export gives every "
+            "expert a copy of it, and a peft adapter loads only if its experts' A are equal"
+        },
+    )
 
 
 SERVED_TARGETS = ("attention",)

@@ -16,19 +16,30 @@ and A passes `copy_to_tensor_model_parallel_region` so its gradient is summed ov
 Row-parallel: A sharded like the input, B replicated; `x A_rᵀ` is summed over ranks
 (`reduce_from_tensor_model_parallel_region`) before B, and under sequence parallelism the branch's output is split
 over the sequence as the base layer's reduce-scatter splits its own. Routed experts communicate nothing (the
-dispatcher moves their tokens); expert tensor parallelism is refused.
+dispatcher moves their tokens); under expert tensor parallelism only a replicated factor's gradient is summed.
+
+**Shared A** (`LoRAOptions.share_expert_a`): a MoE layer's routed experts share one A for fc1 and one for fc2
+(`SharedExpertA`, on the MoE layer), each expert keeps its B. Every expert-parallel rank holds a replica; its
+gradient (from that rank's experts alone) is summed over the expert-parallel group in the backward pass, then
+reduced over expert data parallelism by Megatron's DDP as an expert parameter (`allreduce=False`). Marking it
+dense instead would reduce it over the dense data-parallel group, which covers the expert-parallel ranks only when
+expert TP equals TP (the layout test's TP=2 x EP=2 with expert TP 1 tells them apart). The replicas beyond the first
+expert-parallel rank are `shared` (Megatron's flag for a copy of a parameter another rank holds), so the gradient
+norm counts the A once (and once over expert TP: `training_setup.count_expert_grads_by_expert_tp`).
 
 **Initialisation** is layout-free: A is drawn (Kaiming-uniform, peft's default) on the full matrix from a generator
-seeded by the global parameter name, then sharded, so every layout starts from the same adapters; B = 0.
+seeded by the global parameter name (a shared A's: the layer's, without an expert index), then sharded, so
+every layout starts from the same adapters; B = 0.
 
 **dtype.** Adapters are fp32 and stay fp32 under Megatron's `Float16Module`, which casts the model to bf16:
-`LoRASlices._apply` keeps their dtype (device moves still apply). The branch computes in fp32 and is cast to the
+`_Fp32Adapters._apply` keeps their dtype (device moves still apply). The branch computes in fp32 and is cast to the
 layer's output dtype.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +59,7 @@ _TARGETS = {
     "experts": ("linear_fc1", "linear_fc2"),  # under mlp.experts.local_experts.{e}
 }
 _EXPERT_PATH = ".mlp.experts.local_experts."
+_EXPERT_INDEX = re.compile(r"\.local_experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -59,15 +71,45 @@ class SliceRows:
     hf: torch.Tensor
 
 
-class LoRASlices(nn.Module):
+class _Fp32Adapters(nn.Module):
+    """Adapter parameters that keep their dtype (fp32) under Float16Module's cast; device moves still apply."""
+
+    def _apply(self, fn, recurse=True):
+        dtypes = [p.dtype for p in self.parameters()]
+        super()._apply(fn, recurse)
+        for p, dtype in zip(self.parameters(), dtypes, strict=True):
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        return self
+
+
+class SharedExpertA(_Fp32Adapters):
+    """The A's a MoE layer's routed experts share (`LoRAOptions.share_expert_a`), on the MoE layer as `lora`:
+    `fc1` `[r, hidden]` (replicated over expert TP) and `fc2` `[r, moe_ffn(/etp)]`."""
+
+    expert = True  # split, where split, over expert tensor parallelism
+
+
+class LoRASlices(_Fp32Adapters):
     """The adapters of one linear layer: `B_j` `[rows_j(/tp), r]` per slice j, and `A_j` `[r, in(/tp)]` per slice
     or one A shared by every slice (a routed expert's fc1: one adapter over gate and up, its B kept as two slices
-    so that each splits over expert tensor parallelism as a contiguous block)."""
+    so that each splits over expert tensor parallelism as a contiguous block). `shared_a`: a routed expert's A
+    when its layer's experts share it (`SharedExpertA` holds it; here it is used, not registered)."""
 
-    def __init__(self, a: list[torch.Tensor], b_rows: list[int], scale: float, rows: list[SliceRows] | None):
+    def __init__(
+        self,
+        a: list[torch.Tensor],
+        b_rows: list[int],
+        scale: float,
+        rows: list[SliceRows] | None,
+        shared_a: nn.Parameter | None = None,
+    ):
         super().__init__()
-        self.A = nn.ParameterList([nn.Parameter(t.float()) for t in a])
-        self.B = nn.ParameterList([nn.Parameter(torch.zeros(n, a[0].shape[0])) for n in b_rows])
+        self.A: nn.ParameterList | list[nn.Parameter] = (
+            [shared_a] if shared_a is not None else nn.ParameterList([nn.Parameter(t.float()) for t in a])
+        )
+        self.shared_a = shared_a is not None
+        self.B = nn.ParameterList([nn.Parameter(torch.zeros(n, self.A[0].shape[0])) for n in b_rows])
         self.scale = scale
         self.rows = rows  # None: one slice over every output row
         self._order = None if rows is None else torch.argsort(torch.cat([r.local for r in rows]))
@@ -76,14 +118,6 @@ class LoRASlices(nn.Module):
         self.column, self.expert, self.tp = True, False, False
         self.hf_names: tuple[str, ...] = ()
         self.local_rows: torch.Tensor | None = None  # one slice: this rank's rows of the full weight
-
-    def _apply(self, fn, recurse=True):  # keep fp32 under Float16Module's cast; device moves still apply
-        dtypes = [p.dtype for p in self.parameters()]
-        super()._apply(fn, recurse)
-        for p, dtype in zip(self.parameters(), dtypes, strict=True):
-            if p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        return self
 
     def up(self, h: list[torch.Tensor], b: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`[..., out(/tp)]`: the slices' `B_j h_j` (`b`: the B's to use, default this module's), placed at their
@@ -118,19 +152,27 @@ def _tp(expert: bool = False) -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def _summed_grad(t: torch.Tensor, lora: LoRASlices) -> torch.Tensor:
-    """`t` (an adapter replicated over the expert tensor-parallel group), its gradient summed over that group.
+def _summed_grad(t: torch.Tensor, lora: LoRASlices, shared: bool = False) -> torch.Tensor:
+    """`t` (a routed expert's adapter held alike on several ranks), its gradient summed over them.
 
     A routed expert's layer communicates nothing itself: fc1's input is whole on every rank and its output rows
     are split, fc2's input is split and its output a partial sum the dispatcher reduces. The branch follows suit
-    (fc2's `x_r A_rᵀ Bᵀ` is a partial sum too); only the replicated factor (fc1's A, fc2's B) needs its
-    gradient, a partial on each rank, summed."""
+    (fc2's `x_r A_rᵀ Bᵀ` is a partial sum too); only the factor replicated over expert TP (fc1's A, fc2's B)
+    needs its gradient, a partial on each rank, summed over that group. `shared`: `t` is its layer's shared A,
+    held by the ranks of the other experts too: summed over expert TP and EP (fc1) or EP alone (fc2's, split
+    over expert TP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import mappings
 
-    if not (lora.expert and lora.tp):
+    if shared:
+        group = ps.get_expert_tensor_and_model_parallel_group() if lora.column else ps.get_expert_model_parallel_group()
+    elif lora.expert and lora.tp:
+        group = ps.get_expert_tensor_parallel_group()
+    else:
         return t
-    return mappings.copy_to_tensor_model_parallel_region(t, group=ps.get_expert_tensor_parallel_group())
+    if group.size() == 1:
+        return t
+    return mappings.copy_to_tensor_model_parallel_region(t, group=group)
 
 
 def _column_forward(linear: Any, lora: LoRASlices, forward: Any):
@@ -142,7 +184,7 @@ def _column_forward(linear: Any, lora: LoRASlices, forward: Any):
             return output, bias
         x = input_
         tp = lora.tp and not lora.expert
-        a = [_summed_grad(t, lora) for t in lora.A]
+        a = [_summed_grad(t, lora, lora.shared_a) for t in lora.A]
         if tp:
             x = (mappings.gather_from_sequence_parallel_region(x) if linear.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(x))  # fmt: skip
@@ -161,7 +203,7 @@ def _row_forward(linear: Any, lora: LoRASlices, forward: Any):
         if not lora.enabled:
             return output, bias
         tp = lora.tp and not lora.expert
-        h = input_.float() @ lora.A[0].t()
+        h = input_.float() @ (_summed_grad(lora.A[0], lora, True) if lora.shared_a else lora.A[0]).t()
         if tp:
             h = mappings.reduce_from_tensor_model_parallel_region(h)
         delta = lora.up([h], b=[_summed_grad(lora.B[0], lora)])
@@ -176,15 +218,20 @@ def grouped_delta(
     hidden: torch.Tensor, counts: torch.Tensor, linears: list[Any], grouped_linear: Any, gemm: str
 ) -> torch.Tensor | None:
     """The routed experts' adapter branch for the grouped experts (`layers.grouped_experts`): each expert's
-    `(α/r) B_e A_e x` over its token group, in two grouped GEMMs; None without adapters (or with them off)."""
+    `(α/r) B_e A_e x` over its token group, in two grouped GEMMs (a shared A: one GEMM over every token); None
+    without adapters (or with them off)."""
     adapters: list[Any] = [getattr(m, "lora", None) for m in linears]
-    if adapters[0] is None or not adapters[0].enabled:
+    first = adapters[0]
+    if first is None or not first.enabled:
         return None
     x = hidden.float()
-    replicated = adapters[0].column  # fc1: A whole on every expert-TP rank; fc2: B
-    a = [_summed_grad(m.A[0], m) if replicated else m.A[0] for m in adapters]
+    replicated = first.column  # fc1: A whole on every expert-TP rank; fc2: B
+    if first.shared_a:
+        h = x @ _summed_grad(first.A[0], first, shared=True).t()
+    else:
+        h = grouped_linear(x, counts, [_summed_grad(m.A[0], m) if replicated else m.A[0] for m in adapters], gemm)
     b = [m.stacked_b() if replicated else _summed_grad(m.B[0], m) for m in adapters]
-    return grouped_linear(grouped_linear(x, counts, a, gemm), counts, b, gemm) * adapters[0].scale
+    return grouped_linear(h, counts, b, gemm) * first.scale
 
 
 def _kaiming_a(rank: int, fan_in: int, seed_name: str) -> torch.Tensor:
@@ -217,6 +264,11 @@ def lora_modules(chunks: list[nn.Module]) -> Iterator[LoRASlices]:
         for module in chunk.modules():
             if isinstance(module, LoRASlices):
                 yield module
+
+
+def adapter_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """Every adapter parameter of the model chunks, once (a shared A too)."""
+    return [p for chunk in chunks for name, p in chunk.named_parameters() if is_lora_param(name)]
 
 
 @contextmanager
@@ -256,6 +308,9 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
     `shard(full, param, rule)`: this rank's rows of a full tensor, as the weight is split (`hf_weights._shard`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+    if options.share_expert_a and "experts" not in options.targets:
+        raise ValueError(f"model.lora.share_expert_a shares the routed experts' A, but model.lora.targets="
+                         f"{list(options.targets)} has no experts: add experts or drop share_expert_a")  # fmt: skip
     adapted = 0
     for c, chunk in enumerate(chunks):
         for p in chunk.parameters():
@@ -267,8 +322,11 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
             name = global_name(c, f"{local_name}.weight")
             expert = _EXPERT_PATH in local_name
             rule = weights.rule(name)
+            shared = None
+            if expert and options.share_expert_a:
+                shared = _shared_expert_a(chunk, local_name, name, options.rank, linear, column)
             build = _column_adapter if column else _row_adapter
-            lora = build(linear, options, name, rule, shard)
+            lora = build(linear, options, name, rule, shard, shared)
             lora.hf_names, lora.column, lora.expert = rule.hf, column, expert
             lora.tp = _tp(expert)[1] > 1
             for t in lora.parameters():
@@ -283,9 +341,39 @@ def install_lora(chunks: list[nn.Module], options: LoRAOptions, weights: Any, gl
     return adapted
 
 
-def _column_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, shard: Any) -> LoRASlices:
+def _shared_expert_a(
+    chunk: nn.Module, local_name: str, name: str, rank: int, linear: Any, column: bool
+) -> nn.Parameter:
+    """The A that the routed experts of `linear`'s MoE layer share for fc1 (`column`) or fc2: made when the
+    layer's first local expert asks, kept on the MoE layer (`SharedExpertA`), drawn from the layer's name (no
+    expert index) on the full matrix and split over expert TP as any row-parallel A (module docstring)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    layer = chunk.get_submodule(local_name.split(".experts.local_experts.")[0])
+    holder = getattr(layer, "lora", None)
+    if holder is None:
+        holder = layer.lora = SharedExpertA()
+    key = "fc1" if column else "fc2"
+    if not hasattr(holder, key):
+        etp_rank, etp = _tp(expert=True)
+        split = not column and etp > 1
+        seed = f"{_EXPERT_INDEX.sub('.', name)}.lora_A.shared"
+        full = _kaiming_a(rank, linear.weight.shape[1] * (etp if split else 1), seed)
+        param = nn.Parameter((full.chunk(etp, dim=1)[etp_rank] if split else full).to(linear.weight.device))
+        if split:
+            set_tensor_model_parallel_attributes(param, True, 1, 1)
+        param.allreduce = getattr(linear.weight, "allreduce", True)  # type: ignore[attr-defined]
+        param.shared = ps.get_expert_model_parallel_rank() > 0  # type: ignore[attr-defined]
+        setattr(holder, key, param)
+    return getattr(holder, key)
+
+
+def _column_adapter(
+    linear: Any, options: LoRAOptions, name: str, rule: Any, shard: Any, shared_a: nn.Parameter | None = None
+) -> LoRASlices:
     """A column-parallel layer's adapters: one per HF projection of `rule` (one for a routed expert), A replicated
-    `[r, in]`, B over the slice's rows of this rank."""
+    `[r, in]` (or the layer's `shared_a`), B over the slice's rows of this rank."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     expert = bool(linear.is_expert)
@@ -295,10 +383,10 @@ def _column_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, sha
     ids = torch.arange(full_rows, dtype=torch.float64).unsqueeze(1)
     local_ids = shard(ids, weight, rule, expert=expert).squeeze(1).long()  # this rank's rows of the full weight
     slices = _slice_rows(rule, local_ids, full_rows) if len(rule.hf) > 1 else None
-    shared = 1 if expert else len(slices or [0])  # a routed expert's fc1: one A over gate and up (peft's)
-    a = [_kaiming_a(options.rank, weight.shape[1], f"{name}.lora_A.{j}") for j in range(shared)]
+    count = 0 if shared_a is not None else 1 if expert else len(slices or [0])  # expert fc1: one A over gate, up
+    a = [_kaiming_a(options.rank, weight.shape[1], f"{name}.lora_A.{j}") for j in range(count)]
     b_rows = [weight.shape[0]] if slices is None else [int(s.local.numel()) for s in slices]
-    lora = LoRASlices(a, b_rows, options.alpha / options.rank, slices)
+    lora = LoRASlices(a, b_rows, options.alpha / options.rank, slices, shared_a)
     lora.local_rows = local_ids if slices is None else None
     if tp:
         for t in lora.B:
@@ -306,12 +394,17 @@ def _column_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, sha
     return lora
 
 
-def _row_adapter(linear: Any, options: LoRAOptions, name: str, rule: Any, shard: Any) -> LoRASlices:
-    """A row-parallel layer's adapter: A `[r, in/tp]` (this rank's columns of the full A), B replicated."""
+def _row_adapter(
+    linear: Any, options: LoRAOptions, name: str, rule: Any, shard: Any, shared_a: nn.Parameter | None = None
+) -> LoRASlices:
+    """A row-parallel layer's adapter: A `[r, in/tp]` (this rank's columns of the full A; or the layer's
+    `shared_a`), B replicated."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     rank, size = _tp(bool(linear.is_expert))
     weight = linear.weight
+    if shared_a is not None:
+        return LoRASlices([], [weight.shape[0]], options.alpha / options.rank, None, shared_a)
     tp = size > 1
     full = _kaiming_a(options.rank, weight.shape[1] * (size if tp else 1), f"{name}.lora_A.0")
     lora = LoRASlices([full.chunk(size, dim=1)[rank] if tp else full], [weight.shape[0]], options.alpha / options.rank,

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.options import LoRAOptions
-from megatron_rl.megatron_backend.lora.adapters import is_lora_param, lora_modules
+from megatron_rl.megatron_backend.lora.adapters import LoRASlices, SharedExpertA, is_lora_param
 
 
 def adapter_sharded_state_dict(chunk: Any, sharded: dict[str, Any]) -> dict[str, Any]:
@@ -24,13 +24,15 @@ def adapter_sharded_state_dict(chunk: Any, sharded: dict[str, Any]) -> dict[str,
     from megatron.core import parallel_state as ps
 
     split = {}
-    for lora in lora_modules([chunk]):
+    for module in chunk.modules():
+        if not isinstance(module, LoRASlices | SharedExpertA):
+            continue
         group = (
             (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-            if lora.expert
+            if module.expert
             else (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         )
-        for param in lora.parameters():
+        for param in module.parameters():
             if getattr(param, "tensor_model_parallel", False) and group[1] > 1:
                 split[id(param)] = (int(param.partition_dim), *group)  # type: ignore[attr-defined]
     out = {}
@@ -87,5 +89,6 @@ def lora_run(checkpoint: Path) -> LoRARun | None:
     if not lora.get("rank"):
         return None
     targets = tuple(lora.get("targets", LoRAOptions.targets))
-    options = LoRAOptions(rank=int(lora["rank"]), alpha=float(lora.get("alpha", 16.0)), targets=targets)
+    options = LoRAOptions(rank=int(lora["rank"]), alpha=float(lora.get("alpha", 16.0)), targets=targets,
+                          share_expert_a=bool(lora.get("share_expert_a", False)))  # fmt: skip
     return LoRARun(Path(model["hf_path"]), options)

@@ -8,6 +8,7 @@ with the names and layouts peft itself gives the transformers model (peft 0.21, 
   (gate_up_proj) nested as `base_layer` of the second. Each has `lora_A` `[E·r, in]` (expert e's rows
   `e·r .. e·r+r`) and `lora_B` `[out, r·E]` (expert e's column k at `k·E + e`), as peft's `ParamWrapper`
   reshapes them (`get_delta_weight`: A `(e, r, in)`, B `(out, r, e)`).
+* A shared A (`LoRAOptions.share_expert_a`) is expanded: every expert's rows of `lora_A` hold a copy of it.
 
 Collective: every rank contributes its adapters (its tensor-parallel shards, its pipeline stage's layers, its
 experts); rank 0 assembles the full tensors.
@@ -152,7 +153,8 @@ def save_peft_adapter(
 def load_peft_adapter(chunks: list[Any], options: Any, num_experts: int, adapter_dir: str | Path) -> int:
     """Set the adapters of `chunks` from a peft adapter directory (as `save_peft_adapter` writes it, or peft
     saves it for the transformers model): every rank takes its shards of the full tensors. Refuses an adapter of
-    another rank or alpha, or one that lacks a tensor of these adapters; returns the tensors read."""
+    another rank or alpha, one that lacks a tensor of these adapters, or (`share_expert_a`) one whose experts'
+    A differ; returns the tensors read."""
     from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
@@ -165,16 +167,21 @@ def load_peft_adapter(chunks: list[Any], options: Any, num_experts: int, adapter
     state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     used: set[str] = set()
 
-    def full(module: str, which: str) -> torch.Tensor:
+    def full(module: str, which: str, shared: bool = False) -> torch.Tensor:
         key = f"base_model.model.{module}.lora_{which}.weight"
         if key not in state:
             raise ValueError(f"{adapter_dir} has no {key}: it does not adapt the layers model.lora.targets names")
+        if shared and key not in used:  # every expert's A must be the one the model's experts share
+            per_expert = state[key].reshape(num_experts, options.rank, -1)
+            if not torch.equal(per_expert, per_expert[:1].expand_as(per_expert)):
+                raise ValueError(f"{adapter_dir}: {module} has a different lora_A per expert, but "
+                                 "model.lora.share_expert_a shares one: load it with share_expert_a=false")  # fmt: skip
         used.add(key)
         return state[key].float()
 
     for lora in lora_modules(chunks):
         for (module, which, expert, j, place, _), param in zip(_pieces(lora, lambda p: p), _params(lora), strict=True):
-            tensor = full(module, which)
+            tensor = full(module, which, shared=expert is not None and which == "A" and lora.shared_a)
             if expert is not None:  # peft's ParamWrapper layout back to expert `expert`'s A or B
                 rank = options.rank
                 tensor = tensor[expert * rank : (expert + 1) * rank] if which == "A" else tensor[:, expert::num_experts]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.megatron_backend.lora.adapters import adapters_off, lora_modules
+from megatron_rl.megatron_backend.lora.adapters import adapter_params, adapters_off
 from megatron_rl.megatron_backend.lora.peft_format import load_peft_adapter
 
 
@@ -32,7 +32,7 @@ class AdapterReference:
             _copy(params, current)
 
     def _params(self) -> list[Any]:
-        return [p for lora in lora_modules(self._actor.chunks) for p in lora.parameters()]
+        return adapter_params(self._actor.chunks)
 
     @property
     def host_bytes(self) -> int:

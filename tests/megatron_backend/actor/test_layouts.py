@@ -48,12 +48,19 @@ def single_process(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 LORA = ["--lora-rank", "4"]
+SHARED_A = [*LORA, "--lora-share-expert-a"]
 
 
 @pytest.fixture(scope="module")
 def single_process_lora(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("layouts") / "single_lora.json"
     return {**_run(tiny_moe_dir, out, 1, LORA), "out": str(out)}
+
+
+@pytest.fixture(scope="module")
+def single_process_shared_a(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("layouts") / "single_shared_a.json"
+    return {**_run(tiny_moe_dir, out, 1, SHARED_A), "out": str(out)}
 
 
 def test_single_process_invariants(single_process: dict) -> None:
@@ -118,6 +125,24 @@ def _assert_same_adapters(name: str, out: Path, ref: dict) -> None:
     assert got.keys() == want.keys() and len(got) == 2 * (4 * 4 + 3 * 2 + 3)  # A, B: q/k/v/o, experts, dense MLP
     for key, tensor in want.items():
         assert (got[key] - tensor).abs().max() < 1e-6, f"{name}: adapter {key} differs from the single process"
+
+
+@pytest.mark.parametrize("name", ["tp2_sp", "ep2", "tp2_ep2_etp1"])
+def test_lora_shared_expert_a_layout_matches_single_process(
+    name: str, single_process_shared_a: dict, tiny_moe_dir: Path, tmp_path: Path
+) -> None:
+    """An A shared by each layer's routed experts (`model.lora.share_expert_a`): under EP=2 each rank holds a
+    replica whose gradient covers only its experts until summed over the EP group, and the grad norm must count
+    it once; with TP=2 x EP=2 and expert TP 1 the dense data-parallel group is one rank, so an A reduced as a dense
+    parameter would miss the other rank's experts; under TP=2 (expert TP 2) fc2's shared A is split. Same checks,
+    and the trained adapters (the shared A expanded into every expert's rows) are the single process's."""
+    ref = single_process_shared_a
+    assert ref["steps"][0]["ppo_kl"] == 0.0 and ref["policy_moved"]
+    out = tmp_path / f"shared_a_{name}.json"
+    _assert_layout_matches(name, _run(tiny_moe_dir, out, 2, [*LAYOUTS[name], *SHARED_A]), ref)
+    _assert_same_adapters(name, out, ref)
+    experts_a = [t for k, t in torch.load(f"{out}.adapters.pt").items() if ".experts" in k and ".lora_A." in k]
+    assert experts_a and all(torch.equal(t, t[:4].repeat(len(t) // 4, 1)) for t in experts_a)  # one A, expanded
 
 
 def _assert_layout_matches(name: str, got: dict, ref: dict) -> None:

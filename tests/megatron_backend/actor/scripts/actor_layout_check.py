@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-share-expert-a", action="store_true")
     args = parser.parse_args()
 
     from megatron_rl.algorithms import policy_loss
@@ -47,7 +48,7 @@ def main() -> None:
             lr=1e-3, clip_grad=1.0, distributed_optimizer=bool(args.distributed_optimizer)
         ),
         micro_batch_tokens=64,
-        lora=LoRAOptions(rank=args.lora_rank) if args.lora_rank else None,
+        lora=LoRAOptions(rank=args.lora_rank, share_expert_a=args.lora_share_expert_a) if args.lora_rank else None,
     )
     from safetensors.torch import load_file
 

@@ -13,7 +13,7 @@ import os
 import torch
 
 
-def actor_batch_and_loss(model: str, layout, lora_rank: int = 0):
+def actor_batch_and_loss(model: str, layout, lora_rank: int = 0, share_expert_a: bool = False):
     """The actor (cosine LR schedule), a 6 x 20 batch and a PPO loss that these checkpoint scripts train with."""
     from megatron_rl.algorithms import policy_loss
     from megatron_rl.config.options import LoRAOptions
@@ -25,7 +25,7 @@ def actor_batch_and_loss(model: str, layout, lora_rank: int = 0):
         layout,
         optimizer_options=OptimizerOptions(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=10),
         micro_batch_tokens=64,
-        lora=LoRAOptions(rank=lora_rank) if lora_rank else None,
+        lora=LoRAOptions(rank=lora_rank, share_expert_a=share_expert_a) if lora_rank else None,
     )
     gen = torch.Generator().manual_seed(5)
     b, s = 6, 20
@@ -51,6 +51,7 @@ def main() -> None:
     for name in ("tp", "pp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-share-expert-a", action="store_true")
     args = parser.parse_args()
 
     from megatron_rl.megatron_backend.checkpoint import dist_checkpoint as checkpoint
@@ -59,7 +60,7 @@ def main() -> None:
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     init_distributed(layout, seed=11)
-    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout, args.lora_rank)
+    actor, batch, loss_fn = actor_batch_and_loss(args.model, layout, args.lora_rank, args.lora_share_expert_a)
     b, s = batch.input_ids.shape
 
     def train(step: int) -> dict:
