@@ -2,8 +2,9 @@
 
 Priced as `megatron_backend/lora/adapters.py` builds them: per adapted linear layer an A (r x in) and a B (out x r),
 one per HF projection a fused layer holds (QKV: q, k, v; a dense or shared-expert fc1: gate, up; a routed expert's
-fc1: one A, one B over gate and up). Column-parallel layers split B over TP (A replicated), row-parallel ones split
-A (B replicated); routed experts' adapters live on their expert-parallel rank. Multi-Latent Attention is priced as
+fc1: one A, one B over gate and up; with `share_expert_a` one A per MoE layer for fc1 and one for fc2, a replica on
+every expert-parallel rank). Column-parallel layers split B over TP (A replicated), row-parallel ones split A (B
+replicated); routed experts' adapters live on their expert-parallel rank. Multi-Latent Attention is priced as
 r x (in + out) on each of its linear layers. Pure arithmetic on `ModelDims`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from megatron_rl.config.options import LoRAOptions
 from megatron_rl.models.family import ModelDims
 
 
@@ -39,18 +41,20 @@ def _gated_mlp(h: int, ffn: int, r: int, tp: int) -> float:
     return 2 * (r * h + r * ffn / tp) + r * ffn / tp + r * h
 
 
-def lora_params(d: ModelDims, rank: int, targets: tuple[str, ...], layout) -> tuple[float, float]:
+def lora_params(d: ModelDims, lora: LoRAOptions, layout) -> tuple[float, float]:
     """`(dense, experts)`: the adapter parameters a GPU of the most loaded pipeline stage holds outside and inside the
     routed experts (the optimizer shards the first over dp, the second over expert-dp)."""
     tp, ep = (layout.tp, layout.ep) if layout else (1, 1)
-    h, r = d.hidden_size, rank
+    h, r, targets = d.hidden_size, lora.rank, lora.targets
     attention = _attention(d, r, tp) if "attention" in targets else 0.0
     mlp = _gated_mlp(h, d.ffn_hidden_size, r, tp) if "mlp" in targets else 0.0
     ffn = d.shared_expert_ffn_hidden_size
     shared = _gated_mlp(h, ffn, r, tp) if ffn and "shared_experts" in targets else 0.0
     moe = d.moe_ffn_hidden_size
-    expert = r * (h + 2 * moe) + r * (moe + h) if "experts" in targets else 0.0  # fc1: one A, B over gate + up
+    a, b = (r * h + r * moe, r * 2 * moe + r * h) if "experts" in targets else (0.0, 0.0)  # fc1: one A, B gate + up
+    local = d.num_experts / ep
+    expert = a + b * local if lora.share_expert_a else (a + b) * local  # a shared A: one replica per EP rank
     dense = [attention + (shared if m else mlp) for m in d.moe_layer_pattern]
-    experts = [expert * d.num_experts / ep if m else 0.0 for m in d.moe_layer_pattern]
+    experts = [expert if m else 0.0 for m in d.moe_layer_pattern]
     stages = stage_ranges(d, layout)
     return max(sum(dense[i] for i in s) for s in stages), max(sum(experts[i] for i in s) for s in stages)

@@ -370,7 +370,7 @@ def _memory(
     teacher = teacher_params * (2 if bf16 else 4)
     lora = cfg.model.lora
     if lora.rank:  # the base is frozen: only the fp32 adapters have gradients and optimizer state
-        dense, experts = lora_params(d, lora.rank, lora.targets, layout)
+        dense, experts = lora_params(d, lora, layout)
         params["lora"] = dense + experts
     weights = base + (dense + experts) * 4 if lora.rank else base
     grads = (dense + experts) * 4

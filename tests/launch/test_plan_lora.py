@@ -1,6 +1,6 @@
-"""The launch planner prices LoRA (`model.lora`): the adapter count equals what the Megatron actor builds, the
-frozen base needs no gradients or optimizer state (Qwen3-30B-A3B fits where full training is refused), and the KL
-reference (the base with the adapters off) costs no host memory."""
+"""The launch planner prices LoRA (`model.lora`): the adapter count equals what the Megatron actor builds (an A
+shared across experts too), the frozen base needs no gradients or optimizer state (Qwen3-30B-A3B fits where full
+training is refused), and the KL reference (the base with the adapters off) costs no host memory."""
 
 from __future__ import annotations
 
@@ -23,15 +23,29 @@ LOCAL = ("rollout.engine=local", "trainer.colocate=true")
 
 
 @pytest.mark.usefixtures("megatron_world")
-@pytest.mark.parametrize("targets", [("attention", "mlp", "shared_experts", "experts"), ("attention",)])
-def test_adapter_count_equals_the_actors(tiny_moe_dir: Path, targets: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "lora",
+    [LoRAOptions(rank=8), LoRAOptions(rank=8, targets=("attention",)), LoRAOptions(rank=8, share_expert_a=True)],
+    ids=["all", "attention", "shared_expert_a"],
+)
+def test_adapter_count_equals_the_actors(tiny_moe_dir: Path, lora: LoRAOptions) -> None:
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor
     from megatron_rl.parallel_layout import ParallelLayout
 
-    actor = MegatronActor.from_hf(tiny_moe_dir, ParallelLayout(), lora=LoRAOptions(rank=8, targets=targets))
+    actor = MegatronActor.from_hf(tiny_moe_dir, ParallelLayout(), lora=lora)
     built = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters() if p.requires_grad)
     dims = model_dims(json.loads((tiny_moe_dir / "config.json").read_text()))
-    assert sum(lora_params(dims, 8, targets, None)) == built
+    assert sum(lora_params(dims, lora, None)) == built
+
+
+def test_a_shared_expert_a_is_priced_once_per_layer_and_expert_parallel_rank() -> None:
+    layout = ("parallel.tp=1", "parallel.pp=1", "parallel.ep=2", "parallel.etp=1")
+    each, shared = _plan(1, 2, *layout, *LORA), _plan(1, 2, *layout, *LORA, "model.lora.share_expert_a=true")
+    d = model_dims(QWEN30B)
+    # per MoE layer, the 64 experts of an EP rank hold one A for fc1 and one for fc2 instead of 64 of each
+    saved = d.num_layers * (d.num_experts // 2 - 1) * 32 * (d.hidden_size + d.moe_ffn_hidden_size)
+    assert each.params["lora"] - shared.params["lora"] == saved
+    assert "LoRA: frozen base + 1462 MiB of adapters" in format_plan(shared)  # 2502 MiB with an A per expert
 
 
 def _plan(nodes: int, gpus: int, *overrides: str):
