@@ -17,7 +17,10 @@
 # the optimizer CPU offload (Megatron's HybridDeviceOptimizer with the precision-aware optimizer): three updates
 # match the resident optimizer's within bf16 rounding with the state in host memory, and a checkpoint resume
 # with it continues bit for bit (tests/megatron_backend/actor/test_optimizer_offload.py; these skip without Transformer Engine,
-# which the precision-aware optimizer needs: environment.txt says whether it imported).
+# which the precision-aware optimizer needs: environment.txt says whether it imported); LoRA served by SGLang
+# (rollout.lora_sync=adapter: the base, then the adapters alone, verified against the actor's log-probs;
+# tests/sglang/scripts/lora_adapter_sync_gpu.py) when an SGLang GPU install imports ($MEGATRON_RL_SGLANG_PYTHON, else
+# python3), else lora_adapter_sync.txt says it was skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -43,6 +46,14 @@ python3 -m pytest -q -p no:cacheprovider -o addopts= \
     tests/megatron_backend/actor/test_offload.py tests/megatron_backend/actor/test_optimizer_offload.py \
     -rs 2>&1 | tee "$OUT/pytest.txt"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
+SGLANG_PY="${MEGATRON_RL_SGLANG_PYTHON:-python3}"
+if "$SGLANG_PY" -c "import sglang, sgl_kernel" 2>/dev/null; then
+    timeout 240 python3 tests/sglang/scripts/lora_adapter_sync_gpu.py "$SGLANG_PY" "$OUT" 2>&1 \
+        | tee "$OUT/lora_adapter_sync.txt"
+    echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/lora_adapter_sync.txt"
+else
+    echo "skipped: $SGLANG_PY cannot import sglang and sgl_kernel (no SGLang GPU install)" | tee "$OUT/lora_adapter_sync.txt"
+fi
 timeout 300 python3 benchmarks/bench_logprob.py 2>&1 | tee "$OUT/bench_logprob.txt"
 timeout 120 python3 benchmarks/bench_gspo.py 2>&1 | tee "$OUT/bench_gspo.txt"
 # The RL step per phase (rollout, old log-probs, updates, weight sync) on the demo, as on CPU (P19's breakdown).
