@@ -59,10 +59,11 @@ def _metrics(sync: WeightSync) -> tuple[float, float, float]:
     return m["sync/bytes"], m["sync/tensors"], m["sync/full_syncs"]
 
 
+@pytest.mark.parametrize("lora", [LORA, dataclasses.replace(LORA, share_expert_a=True)], ids=["own_a", "shared_a"])
 def test_after_a_lora_update_only_the_adapted_tensors_go_and_the_engine_scores_as_the_trainer(
-    tiny_moe_dir: Path,
+    tiny_moe_dir: Path, lora: LoRAOptions
 ) -> None:
-    actor, engine = _actor(tiny_moe_dir, LORA), LocalEngine(tiny_moe_dir)
+    actor, engine = _actor(tiny_moe_dir, lora), LocalEngine(tiny_moe_dir)
     sync = WeightSync(actor, engine, RolloutConfig())
     full, partial = _bytes(tiny_moe_dir, False), _bytes(tiny_moe_dir, True)
     sync.send(0)
