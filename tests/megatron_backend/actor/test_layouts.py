@@ -105,7 +105,9 @@ def test_layout_matches_single_process(name: str, single_process: dict, tiny_moe
     _assert_layout_matches(name, _run(tiny_moe_dir, tmp_path / f"{name}.json", 2, LAYOUTS[name]), single_process)
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "ep2", "pp2", "dp2_distopt", "tp2_ep2_etp1"])
+@pytest.mark.parametrize(
+    "name", ["tp2_sp", "ep2", "pp2", "dp2_distopt", "tp2_ep2_etp1", pytest.param("pp2_vpp2", marks=pytest.mark.slow)]
+)
 def test_lora_layout_matches_single_process(
     name: str, single_process_lora: dict, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
