@@ -31,7 +31,6 @@ def main() -> None:
     from megatron_rl.algorithms import policy_loss
     from megatron_rl.algorithms.distillation import topk_kl
     from megatron_rl.config.options import LoRAOptions
-    from megatron_rl.megatron_backend.actor.batch import TokenBatch
     from megatron_rl.megatron_backend.actor.megatron_actor import MegatronActor, OptimizerOptions
     from megatron_rl.megatron_backend.actor.model_builder import ModelOptions
     from megatron_rl.megatron_backend.actor.reference import ReferenceWeights
@@ -58,14 +57,8 @@ def main() -> None:
         torch.equal(exported[k], reference[k].to(exported[k].dtype)) for k in reference
     )
 
-    gen = torch.Generator().manual_seed(3)
-    b, s = 8, 24
-    ids = torch.randint(4, 100, (b, s), generator=gen)
-    lengths = torch.randint(12, s + 1, (b,), generator=gen)
-    starts = torch.randint(3, 8, (b,), generator=gen)
-    for i in range(b):
-        ids[i, lengths[i] :] = 3
-    batch = TokenBatch(ids, lengths, starts)
+    batch = layout_batch()
+    b, s = batch.input_ids.shape
     scored = actor.compute_log_probs(batch, with_entropy=True, route_mode="record", top_k=TOP_K)
     reference = ReferenceWeights(actor)
     advantages = torch.linspace(-1.0, 1.0, b)
@@ -140,6 +133,21 @@ def main() -> None:
             open(args.out, "w"),
         )
     shutdown()
+
+
+def layout_batch():
+    """8 rows of 12-24 tokens (padding id 3), responses from position 3-7: the batch every layout scores (the
+    critic's layout check too)."""
+    from megatron_rl.megatron_backend.actor.batch import TokenBatch
+
+    gen = torch.Generator().manual_seed(3)
+    b, s = 8, 24
+    ids = torch.randint(4, 100, (b, s), generator=gen)
+    lengths = torch.randint(12, s + 1, (b,), generator=gen)
+    starts = torch.randint(3, 8, (b,), generator=gen)
+    for i in range(b):
+        ids[i, lengths[i] :] = 3
+    return TokenBatch(ids, lengths, starts)
 
 
 def packed_vs_padded(actor, batch, packed, loss_fn) -> dict:
