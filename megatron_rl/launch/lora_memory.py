@@ -10,19 +10,9 @@ r x (in + out) on each of its linear layers. Pure arithmetic on `ModelDims`.
 
 from __future__ import annotations
 
-import itertools
-import math
-
 from megatron_rl.config.options import LoRAOptions
+from megatron_rl.launch.model_memory import stage_ranges
 from megatron_rl.models.family import ModelDims
-
-
-def stage_ranges(d: ModelDims, layout) -> list[range]:
-    """The global layer indices of each pipeline stage (`layout.stage_layers`, else an even split)."""
-    pp = layout.pp if layout else 1
-    sizes = list(layout.stage_layers) if layout and layout.stage_layers else [math.ceil(d.num_layers / pp)] * pp
-    ends = itertools.accumulate(sizes)
-    return [range(min(end - n, d.num_layers), min(end, d.num_layers)) for n, end in zip(sizes, ends, strict=True)]
 
 
 def _attention(d: ModelDims, r: int, tp: int) -> float:

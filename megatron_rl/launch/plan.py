@@ -19,7 +19,14 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.launch.lora_memory import lora_params, stage_ranges
+from megatron_rl.launch.lora_memory import lora_params
+from megatron_rl.launch.model_memory import (
+    HOST_BYTES_PER_PARAM,
+    PCIE_BYTES_PER_PARAM,
+    optimizer_bytes_per_param,
+    shared_expert_gate,
+    weight_shard,
+)
 from megatron_rl.launch.placement import (
     RolloutServer,
     SideServer,
@@ -28,7 +35,7 @@ from megatron_rl.launch.placement import (
     servers_shell,
 )
 from megatron_rl.models.architecture import model_dims, same_architecture
-from megatron_rl.models.family import ModelDims, UnsupportedModelError, get_family
+from megatron_rl.models.family import ModelDims, UnsupportedModelError
 from megatron_rl.parallel_layout import LayoutError
 
 GiB = 2**30
@@ -37,7 +44,6 @@ PCIE_GB_PER_S = 25.0
 Gen5 x16 peaks at ~64 GB/s each way, but pageable fp32 copies from the HybridDeviceOptimizer's host tensors, eight
 GPUs sharing the CPU sockets' links and per-parameter copies reach well below; 25 GB/s is an assumption, not a
 measurement (override with ClusterSpec.pcie_gb_per_s)."""
-STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 CUDA_CONTEXT_GIB = 3.0  # CUDA context, NCCL buffers and allocator slack per GPU
 SGLANG_RELEASED_GIB = 2.0  # what a colocated SGLang server keeps after releasing its memory (context, buffers)
 ROUTER_PORT = 30100
@@ -173,7 +179,7 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = Non
     reasons += problems
     router = (servers[0].node, ROUTER_PORT) if len(servers) > 1 else None
     teacher = _resident_teacher(cfg, hf, teacher_hf, world, reasons)
-    memory, params = _memory(cfg, dims, _shared_expert_gate(hf, dims), layout, cluster, colocated and sglang, teacher)
+    memory, params = _memory(cfg, dims, shared_expert_gate(hf, dims), layout, cluster, colocated and sglang, teacher)
     if layout is not None and memory.total > memory.budget:
         reasons.append(
             f"training needs ~{memory.total / GiB:.1f} GiB per GPU but {memory.budget / GiB:.1f} GiB are available"
@@ -274,23 +280,6 @@ def _coordinates(rank: int, layout, gpus_per_node: int) -> TrainerRank:
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def _attention_params(d: ModelDims) -> int:
-    """One layer's attention parameters and its two layer norms.
-
-    Multi-Latent Attention (`kv_lora_rank` > 0; transformers `DeepseekV3Attention`): the query latent
-    (h x q_lora_rank, its norm, q_lora_rank x heads x q_head) or one query projection (h x heads x q_head), the KV
-    latent with the shared rotary key (h x (kv_lora_rank + rope)), its norm, its expansion to each head's key
-    and value (kv_lora_rank x heads x (nope + v)) and the output (heads x v x h)."""
-    h, hd, heads, groups = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_query_groups
-    if d.kv_lora_rank:
-        nope, v, rank = hd - d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
-        query = d.q_lora_rank * (h + 1 + heads * hd) if d.q_lora_rank else h * heads * hd
-        latent = h * (rank + d.qk_rope_head_dim) + rank + rank * heads * (nope + v)
-        return query + latent + heads * v * h + 2 * h
-    attention = h * heads * hd * 2 + 2 * h * groups * hd + 2 * h  # q and output, k and v, the two layer norms
-    return attention + (2 * hd if d.qk_layernorm else 0) + ((heads + 2 * groups) * hd if d.qkv_bias else 0)
-
-
 def kv_cache_token_bytes(d: ModelDims, server_tp: int, dtype_bytes: int = 2) -> float:
     """Bytes of KV cache one token takes on each GPU of an SGLang server of `server_tp` GPUs.
 
@@ -301,15 +290,6 @@ def kv_cache_token_bytes(d: ModelDims, server_tp: int, dtype_bytes: int = 2) -> 
         return d.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * dtype_bytes
     groups_per_gpu = max(d.num_query_groups // server_tp, 1)
     return d.num_layers * 2 * groups_per_gpu * d.head_dim * dtype_bytes
-
-
-def _shared_expert_gate(hf: dict, d: ModelDims) -> bool:
-    """Whether the shared expert's output is scaled by a learned gate (Qwen2-MoE; not DeepSeek-V3 or GLM-4.5), as
-    the family's weight mappings say."""
-    if not d.shared_expert_ffn_hidden_size or not d.moe_layers:
-        return False
-    gate = f"decoder.layers.{d.moe_layers[0]}.mlp.shared_experts.gate_weight"
-    return get_family(hf).weight_map(hf).rule(gate) is not None
 
 
 def _resident_teacher(cfg, hf: dict, teacher_hf: dict | None, world: int, reasons: list[str]) -> float:
@@ -327,40 +307,14 @@ def _resident_teacher(cfg, hf: dict, teacher_hf: dict | None, world: int, reason
     except (UnsupportedModelError, LayoutError) as err:
         reasons.append(f"algo.distill.teacher={distill.teacher} in the actor's parallel layout: {err}")
         return 0.0
-    dense, experts, _ = _weight_shard(dims, _shared_expert_gate(teacher_hf, dims), layout)
+    dense, experts, _ = weight_shard(dims, shared_expert_gate(teacher_hf, dims), layout)
     return dense + experts
-
-
-def _weight_shard(d: ModelDims, shared_gate: bool, layout) -> tuple[float, float, dict]:
-    """`(dense, experts, params)`: the parameters a GPU of the most loaded pipeline stage holds outside and inside
-    the experts, and the model's total / expert / active parameter counts."""
-    h = d.hidden_size
-    attention = _attention_params(d)
-    shared = d.shared_expert_ffn_hidden_size
-    # the router, the shared expert and its gate
-    moe_dense = d.num_experts * h + (3 * h * shared if shared else 0) + (h if shared_gate else 0)
-    expert = d.num_experts * 3 * h * d.moe_ffn_hidden_size
-    per_layer_dense = [attention + (moe_dense if m else 3 * h * d.ffn_hidden_size) for m in d.moe_layer_pattern]
-    per_layer_expert = [expert if m else 0 for m in d.moe_layer_pattern]
-    embed = d.vocab_size * h
-    head = 0 if d.tie_word_embeddings else embed
-    total_params = sum(per_layer_dense) + sum(per_layer_expert) + embed + head + h
-    active = total_params - sum(per_layer_expert) + sum(per_layer_expert) * d.top_k / max(d.num_experts, 1)
-    params = {"total": total_params, "experts": sum(per_layer_expert), "active": active}
-
-    tp, pp, ep, etp = (layout.tp, layout.pp, layout.ep, layout.etp) if layout else (1, 1, 1, 1)
-    # The heaviest stage's own layers (a dense first layer, GLM-4.5's 10944-wide MLP, is not every layer's).
-    stages = stage_ranges(d, layout)
-    dense_layers = max(sum(per_layer_dense[i] for i in stage) for stage in stages)
-    expert_layers = max(sum(per_layer_expert[i] for i in stage) for stage in stages)
-    dense = dense_layers / tp + max(embed, head) / tp * (1 if pp > 1 else 2 - d.tie_word_embeddings)
-    return dense, expert_layers / (ep * etp), params
 
 
 def _memory(
     cfg, d: ModelDims, shared_gate: bool, layout, cluster: ClusterSpec, colocated_sglang: bool, teacher_params: float
 ) -> tuple[MemoryEstimate, dict]:
-    dense, experts, params = _weight_shard(d, shared_gate, layout)
+    dense, experts, params = weight_shard(d, shared_gate, layout)
     tp, pp = (layout.tp, layout.pp) if layout else (1, 1)
     dp, edp = (layout.dp, layout.expert_dp) if layout else (1, 1)
     per_stage = max(layout.stage_layers) if layout and layout.stage_layers else math.ceil(d.num_layers / pp)
@@ -409,29 +363,6 @@ def _memory(
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
                           sglang_budget, resident, kv_token, kv_tokens, host_optimizer, host,
                           pcie, teacher, (dense + experts) * 4 if lora.rank else 0.0), params  # fmt: skip
-
-
-HOST_BYTES_PER_PARAM = 16
-"""Host memory per offloaded parameter: Megatron's HybridDeviceOptimizer keeps an fp32 copy of each shard
-(`param_update_in_fp32`), torch AdamW's fp32 exp_avg and exp_avg_sq, and a pinned fp32 gradient buffer."""
-PCIE_BYTES_PER_PARAM = 8
-"""PCIe bytes per offloaded parameter and update: the fp32 gradient down, the fp32 updated copy up (copied into
-the bf16 parameter on the GPU)."""
-
-
-def optimizer_bytes_per_param(opt, bf16: bool) -> float:
-    """GPU bytes of optimizer state per parameter it holds: main copy + Adam's two moments.
-
-    Resident optimizer: an fp32 main copy of bf16 weights (fp32 weights are their own) and fp32 moments: 12 / 8 B.
-    Precision-aware (Transformer Engine's FusedAdam, bf16 weights): the moments in `moments_dtype` (fp8 = 1 B) and
-    the main copy in `main_params_dtype`, where fp32 is stored as the 16 bits a bf16 weight lacks
-    (`store_param_remainders`, Megatron's default with TE >= 2.1): 2 B either way. With CPU offload the share left
-    on the GPU is the hybrid optimizer's fp32 copy and fp32 moments: 12 B."""
-    if opt.cpu_offload:
-        return 12
-    if opt.precision_aware:
-        return 2 + 2 * STATE_BYTES[opt.moments_dtype]
-    return (4 if bf16 else 0) + 8
 
 
 # ---------------------------------------------------------------------------------------------- output
