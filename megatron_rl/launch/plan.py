@@ -19,6 +19,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.launch.critic_memory import critic_memory
 from megatron_rl.launch.lora_memory import lora_params
 from megatron_rl.launch.model_memory import (
     HOST_BYTES_PER_PARAM,
@@ -97,15 +98,17 @@ class MemoryEstimate:
     pcie_seconds_per_step: float = 0.0  # the offloaded optimizer's copies per training step, at ClusterSpec's rate
     teacher: float = 0.0  # a resident Megatron distillation teacher's weights (another architecture than the actor's)
     lora: float = 0.0  # model.lora: the fp32 adapters' bytes (in weights; grads and optimizer are theirs alone)
+    critic: float = 0.0  # algo.advantage=gae: the critic's weights, grads and optimizer state on the GPU
 
     def lines(self) -> list[str]:
         g = GiB
         teacher = f"+ teacher {self.teacher / g:.1f} " if self.teacher else ""
         lora = f"(LoRA: frozen base + {self.lora / 2**20:.0f} MiB of adapters) " if self.lora else ""
+        critic = f"+ critic {self.critic / g:.1f} (weights, grads, optimizer) " if self.critic else ""
         lines = [
             f"  weights {self.weights / g:.1f} {lora}+ grads {self.grads / g:.1f} + optimizer {self.optimizer / g:.1f} "
-            f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} {teacher}= {self.total / g:.1f} "
-            f"GiB of {self.budget / g:.1f} GiB available to training",
+            f"+ activations {self.activations / g:.1f} + logits {self.logits / g:.1f} {teacher}{critic}"
+            f"= {self.total / g:.1f} GiB of {self.budget / g:.1f} GiB available to training",
             f"  rollout server weights {self.sglang_weights / g:.1f} GiB per GPU of {self.sglang_budget / g:.1f} GiB "
             f"(rollout.sglang.mem_fraction_static); the rest is KV cache: {self.sglang_kv_token_bytes / 2**10:.1f} "
             f"KiB per token per GPU, ~{self.sglang_kv_tokens / 1e3:.0f}k tokens per server",
@@ -235,6 +238,12 @@ def make_plan(cfg, hf: dict, cluster: ClusterSpec, teacher_hf: dict | None = Non
             + ("a side model, planned above" if any(u.startswith("side:") for u in distill.sglang_urls)
                else "algo.distill.sglang_urls, not planned here"),
         }[distill.served_by])  # fmt: skip
+    if memory.critic:
+        notes.append(
+            f"critic (algo.advantage=gae): a second model in the actor's layout, {memory.critic / GiB:.1f} GiB per GPU "
+            "of weights, gradients and optimizer state, counted above (its passes run between the actor's)"
+            + ("; algo.critic.hf_path is priced as the policy's architecture" if cfg.algo.critic.hf_path else "")
+        )
     notes += placement_notes
     if cfg.trainer.mode == "async":
         k = cfg.trainer.max_staleness
@@ -335,8 +344,15 @@ def _memory(
     offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
     optimizer = shard * (1 - offloaded) * optimizer_bytes_per_param(opt, bf16 and not lora.rank)
     host_optimizer = shard * offloaded * HOST_BYTES_PER_PARAM
+    critic = critic_memory(cfg, d, shared_gate, layout)  # trains on the actor's mini-batches, offloads with it
+    if critic is not None:
+        params["critic"] = critic.params
+        host_optimizer += critic.host_optimizer
+    critic_bytes = critic.device if critic else 0.0
+    trained = weights + grads + optimizer + critic_bytes  # what trainer.offload_actor parks in host memory
     updates = cfg.algo.mini_batches_per_step * cfg.algo.ppo_epochs
-    pcie = updates * shard * offloaded * PCIE_BYTES_PER_PARAM / (cluster.pcie_gb_per_s * 1e9)
+    crossing = shard * offloaded + (critic.offloaded if critic else 0.0)
+    pcie = updates * crossing * PCIE_BYTES_PER_PARAM / (cluster.pcie_gb_per_s * 1e9)
     tokens = cfg.trainer.micro_batch_tokens
     act_bytes = 2 if bf16 else 4
     if cfg.model.options.recompute == "full":
@@ -346,7 +362,7 @@ def _memory(
     if pp > 1:
         activations *= min(pp, 2)  # in-flight micro-batches of 1F1B on the first stage
     logits = tokens * d.vocab_size / tp * act_bytes * 2  # logits and their gradient (the log-prob kernel is chunked)
-    total = (weights + grads + optimizer + activations + logits + teacher) * 1.1
+    total = (trained + activations + logits + teacher) * 1.1  # the critic's passes: not beside the actor's
     gpu = cluster.gpu_memory_gib * GiB
     share = cfg.rollout.sglang.mem_fraction_static
     budget = gpu - CUDA_CONTEXT_GIB * GiB
@@ -357,12 +373,12 @@ def _memory(
     sglang_budget = gpu * share
     kv_token = kv_cache_token_bytes(d, server_gpus)
     kv_tokens = max(sglang_budget - sglang_weights, 0.0) / kv_token
-    resident = (teacher + (0.0 if cfg.trainer.offload_actor else weights + grads + optimizer)) * 1.1
-    parked = weights + grads + optimizer if cfg.trainer.offload_actor else 0.0
+    resident = (teacher + (0.0 if cfg.trainer.offload_actor else trained)) * 1.1
+    parked = trained if cfg.trainer.offload_actor else 0.0
     host = cluster.gpus_per_node * (host_optimizer + parked)
     return MemoryEstimate(weights, grads, optimizer, activations, logits, total, budget, sglang_weights,
                           sglang_budget, resident, kv_token, kv_tokens, host_optimizer, host,
-                          pcie, teacher, (dense + experts) * 4 if lora.rank else 0.0), params  # fmt: skip
+                          pcie, teacher, (dense + experts) * 4 if lora.rank else 0.0, critic_bytes), params  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from megatron_rl.megatron_backend.actor.batch import TokenBatch
-from megatron_rl.parallel_layout import ParallelLayout
+from megatron_rl.models.architecture import model_dims
+from megatron_rl.parallel_layout import ParallelLayout, ResolvedLayout
 from tests.megatron_backend.actor.scripts.actor_layout_check import layout_batch
 
 LAYOUTS = {
@@ -35,10 +36,12 @@ def fixed_batch() -> tuple[TokenBatch, torch.Tensor]:
     return batch, torch.where(batch.response_mask(), returns, 0.0)
 
 
-def critic_numbers(model_dir: Path, layout: ParallelLayout) -> dict:
-    """Values before and after two clipped-value-loss updates, and each update's loss, grad norm and clip fraction
-    (the same on every rank)."""
+def critic_numbers(model_dir: Path, layout: ParallelLayout, resolved: ResolvedLayout) -> dict:
+    """Values before and after two clipped-value-loss updates, each update's loss, grad norm and clip fraction (the
+    same on every rank), and the parameters of the most loaded rank with the launch planner's count of them."""
     from megatron_rl.config.options import ModelOptions, OptimizerOptions
+    from megatron_rl.launch.critic_memory import critic_params
+    from megatron_rl.launch.model_memory import shared_expert_gate
     from megatron_rl.megatron_backend.critic.value_model import MegatronCritic
     from megatron_rl.trainer.step.critic_phase import build_value_loss
 
@@ -51,7 +54,12 @@ def critic_numbers(model_dir: Path, layout: ParallelLayout) -> dict:
     batch.fields.update(loss_mask=batch.response_mask().float(), old_values=values, returns=returns)
     loss_fn = build_value_loss(VALUE_CLIP)
     steps = [critic.train_step(batch, loss_fn) for _ in range(2)]
+    here = torch.tensor(float(sum(p.numel() for chunk in critic.chunks for p in chunk.parameters())))
+    torch.distributed.all_reduce(here, op=torch.distributed.ReduceOp.MAX)
+    dims = model_dims(critic.source_config)
     return {
+        "params": int(here),  # the most loaded rank's
+        "planned": sum(critic_params(dims, shared_expert_gate(critic.source_config, dims), resolved)),
         "values": values.tolist(),
         "steps": [{k: s[k] for k in ("loss", "grad_norm", "clip_frac", "count")} for s in steps],
         "values_after": critic.compute_values(batch).tolist(),
@@ -67,8 +75,8 @@ def main(model_dir: str, out: str) -> None:
 
     results = {}
     for name, layout in LAYOUTS.items():
-        init_distributed(layout, seed=7)
-        results[name] = critic_numbers(Path(model_dir), layout)
+        resolved = init_distributed(layout, seed=7)
+        results[name] = critic_numbers(Path(model_dir), layout, resolved)
         ParallelLayout.destroy()
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
