@@ -105,16 +105,19 @@ def rl_step(p: StepParts, step: int, first_step: int, *, critic_only: bool = Fal
         rank = rank_batch(cfg, step, rollout, advantages, p.actor.dims)
         replay = replay_checks(cfg, step, first_step)
         on_policy = first_update_scores_itself(cfg.algo, step, first_step, rank.routes, replay)
-        entropy = score_old_and_reference(
-            p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
-            teacher_top_k=cfg.algo.distill.top_k,
-        )  # fmt: skip
+        entropy = None  # a critic warm-up step needs the old policy's scores only for algo.kl_in_reward
+        if not critic_only or cfg.algo.kl_in_reward:
+            entropy = score_old_and_reference(
+                p.actor, p.reference, rank, replay, on_policy=on_policy, teacher=p.teacher,
+                teacher_top_k=cfg.algo.distill.top_k,
+            )  # fmt: skip
         distilled = distill_advantages(cfg.algo.distill, rank.batch) if cfg.algo.distill.teacher else {}
     if critic is not None:  # the old values, GAE advantages and returns (trainer/step/critic_phase.py)
         with clock("time/values"):
             distilled.update(critic_advantages(critic, cfg.algo, rank))
     if critic_only:
         return {**distilled, **_train_critic(p, rank, step, clock), **clock.metrics()}
+    assert entropy is not None
 
     # 4. Mini-batch updates; the first one is on-policy, so its ratio must be exactly 1.
     with clock("time/train"):
