@@ -43,6 +43,11 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def curve(history: list[dict], key: str) -> dict[int, float]:
+    """Metric `key` by step, over the rows of `history` that have it."""
+    return {r["step"]: r[key] for r in history if key in r}
+
+
 def warmed_model(work: Path) -> Path:
     """W: the demo's supervised warm-up of the random demo model (built in `work` once)."""
     warm_run = work / "warm_run"
@@ -100,10 +105,10 @@ def main() -> None:
         "teacher_accuracy": teacher_accuracy,
         "runs": {
             name: {
-                "accuracy": {r["step"]: r["eval/accuracy"] for r in history if "eval/accuracy" in r},
-                "reverse_kl": {r["step"]: r["distill/reverse_kl"] for r in history if "distill/reverse_kl" in r},
-                "topk_kl": {r["step"]: r["distill/topk_kl"] for r in history if "distill/topk_kl" in r},
-                "reward": {r["step"]: r["rollout/reward_mean"] for r in history if "rollout/reward_mean" in r},
+                "accuracy": curve(history, "eval/accuracy"),
+                "reverse_kl": curve(history, "distill/reverse_kl"),
+                "topk_kl": curve(history, "distill/topk_kl"),
+                "reward": curve(history, "rollout/reward_mean"),
             }
             for name, history in curves.items()
         },

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distill_demo import QUIET, ROOT, TRAIN, rows, run, warmed_model
+from distill_demo import QUIET, ROOT, TRAIN, curve, rows, run, warmed_model
 
 TARGETS = "[attention,experts]"
 
@@ -96,8 +96,8 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores",
         "runs": {
             name: {
-                "accuracy": {r["step"]: r["eval/accuracy"] for r in history if "eval/accuracy" in r},
-                "reward": {r["step"]: r["rollout/reward_mean"] for r in history if "rollout/reward_mean" in r},
+                "accuracy": curve(history, "eval/accuracy"),
+                "reward": curve(history, "rollout/reward_mean"),
                 "wall_s": seconds[name],
                 "train_state_bytes": memory[name],
             }

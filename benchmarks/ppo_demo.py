@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distill_demo import QUIET, ROOT, TRAIN, rows, run, warmed_model
+from distill_demo import QUIET, ROOT, TRAIN, curve, rows, run, warmed_model
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     evals = [r["step"] for r in curves["grpo"] if "eval/accuracy" in r]
     print(f"{'run':<15} " + " ".join(f"{'step ' + str(s):>9}" for s in evals) + f" {'wall s':>8} {'EV last':>8}")
     for name, history in curves.items():
-        explained = [r["critic/explained_variance"] for r in history if "critic/explained_variance" in r]
+        explained = list(curve(history, "critic/explained_variance").values())
         last = f"{explained[-1]:>8.3f}" if explained else f"{'-':>8}"
         print(f"{name:<15} " + " ".join(f"{r['eval/accuracy']:>9.3f}" for r in history if "eval/accuracy" in r)
               + f" {seconds[name]:>8.1f} {last}")  # fmt: skip
@@ -66,10 +66,8 @@ def main() -> None:
         "runs": {
             name: {
                 "overrides": list(runs[name]),
-                "accuracy": {r["step"]: r["eval/accuracy"] for r in history if "eval/accuracy" in r},
-                "explained_variance": {
-                    r["step"]: r["critic/explained_variance"] for r in history if "critic/explained_variance" in r
-                },
+                "accuracy": curve(history, "eval/accuracy"),
+                "explained_variance": curve(history, "critic/explained_variance"),
                 "wall_s": seconds[name],
             }
             for name, history in curves.items()

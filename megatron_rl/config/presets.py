@@ -49,6 +49,9 @@ CORE_KEYS = (
 _NO_SHAPING = {"dynamic_sampling": False, "overlong_buffer": 0, "overlong_filter": False}
 _NO_KL = {"kl_coef": 0.0, "kl_estimator": "k3"}
 _GROUP_ADV = {"advantage": "grpo", "norm_adv_by_std": True}
+_GAE_ADV = {"advantage": "gae", "norm_adv_by_std": True}  # norm_adv_by_std: unused by gae
+# verl's critic defaults: GAE with gamma = lambda = 1 for actor and critic, value clip 0.5, whitened advantages.
+_VERL_CRITIC = {"gamma": 1.0, "lam": 1.0, "lam_actor": None, "lam_actor_alpha": 0.0, "value_clip": 0.5, "whiten": True}
 # DAPO: L_max = 20480 generated tokens with a 4096-token soft-penalty buffer, i.e. the last 20 %.
 _DAPO_SHAPING = {
     "dynamic_sampling": True,
@@ -149,12 +152,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "clip_c": None,
         "agg": "token-mean",
         "agg_norm": None,
-        "advantage": "gae",
-        "norm_adv_by_std": True,  # unused by gae
+        **_GAE_ADV,
         **_NO_KL,
         **_NO_SHAPING,
-        "critic": {"gamma": 1.0, "lam": 1.0, "lam_actor": None, "lam_actor_alpha": 0.0, "value_clip": 0.5,
-                   "whiten": True},
+        "critic": _VERL_CRITIC,
     },
     # VAPO, arXiv 2504.05118 §3-4: decoupled GAE (lambda_critic = 1.0 eq. 6, length-adaptive lambda_policy =
     # 1 - 1/(alpha l) with alpha = 0.05, eq. 7), 50 value pre-training steps, Clip-Higher 0.2/0.28, token-level
@@ -166,12 +167,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "clip_c": None,
         "agg": "token-mean",
         "agg_norm": None,
-        "advantage": "gae",
-        "norm_adv_by_std": True,  # unused by gae
+        **_GAE_ADV,
         **_NO_KL,
         **_NO_SHAPING,
-        "critic": {"gamma": 1.0, "lam": 1.0, "lam_actor": None, "lam_actor_alpha": 0.05, "value_clip": 0.5,
-                   "whiten": True, "warmup_steps": 50},
+        "critic": {**_VERL_CRITIC, "lam_actor_alpha": 0.05, "warmup_steps": 50},
     },
 }
 
